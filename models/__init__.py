@@ -1,0 +1,1 @@
+"""Model families. Each sub-package exports `SPEC: titanlite.model_spec.ModelSpec`."""

@@ -1,0 +1,34 @@
+"""Llama 3 family: flavors with the published shapes, and the spec the framework loads."""
+
+from titanlite.model_spec import ModelSpec
+
+from .model import ModelArgs, Transformer
+from .parallelize import parallelize, validate
+
+_LLAMA31 = dict(rope_scaling_factor=8.0)
+_LLAMA32 = dict(rope_scaling_factor=32.0, tie_embeddings=True)
+
+flavors = {
+    "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
+                            multiple_of=64, rope_scaling_factor=8.0),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, **_LLAMA32),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, **_LLAMA32),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                    multiple_of=1024, **_LLAMA31),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=4096, **_LLAMA31),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                      multiple_of=4096, **_LLAMA31),
+}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """6 x non-embedding params (matmuls, forward + backward) + causal attention scores."""
+    per_layer = (2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.n_kv_heads * args.head_dim
+                 + 3 * args.dim * args.ffn_hidden)
+    dense = args.n_layers * per_layer + args.dim * args.vocab_size
+    return 6 * dense + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+SPEC = ModelSpec(name="llama3", flavors=flavors, build=Transformer, parallelize=parallelize,
+                 flops_per_token=flops_per_token, validate=validate)

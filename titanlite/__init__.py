@@ -1,0 +1,1 @@
+"""titanlite: a small, readable, PyTorch-native LLM pre-training framework."""

@@ -1,0 +1,421 @@
+"""Job configuration: dataclass sections, TOML + command-line loading, strict validation.
+
+Precedence is defaults < TOML < command line. Every field carries a docstring, which
+`--help` prints. Functions elsewhere take only the section(s) they need.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "train_configs"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration or command line; reported as one line."""
+
+
+@dataclass(frozen=True)
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for metrics, TensorBoard events and checkpoints."""
+    run_name: str = ""
+    """TensorBoard run name under <dump_folder>/tb/; empty means a timestamp."""
+    description: str = ""
+    """Free text shown at start-up."""
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str = "llama3"
+    """Model family: a folder under models/ that exports SPEC."""
+    flavor: str = "debugmodel"
+    """Size preset from the family's `flavors`."""
+    vocab_size: int = 0
+    """Embedding rows; 0 keeps the flavor's value. Must cover the tokenizer."""
+
+
+@dataclass(frozen=True)
+class Training:
+    steps: int = 100
+    """Number of optimizer steps."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    local_batch_size: int = 8
+    """Samples per micro-batch on one data-parallel rank."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all ranks; -1 means local_batch_size x dp degree.
+    A multiple of that product turns on gradient accumulation."""
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; <= 0 disables clipping."""
+    seed: int = 0
+    """Seed for weight init and dropout-free randomness."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower)."""
+    mixed_precision_param: str = "auto"
+    """Parameter dtype in forward/backward: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    mixed_precision_reduce: str = "float32"
+    """Gradient reduction dtype: float32 or bfloat16."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cuda or cpu."""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas for HSDP (gradients all-reduced across replicas)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree; -1 means whatever is left of the world size."""
+    tensor_parallel_degree: int = 1
+    """Tensor (and sequence) parallel degree."""
+    context_parallel_degree: int = 1
+    """Context parallel degree (sequence sharding across ranks)."""
+    fsdp_reshard_after_forward: str = "default"
+    """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "AdamW"
+    """Only AdamW is supported."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+
+@dataclass(frozen=True)
+class LRScheduler:
+    warmup_steps: int = 10
+    """Linear warm-up steps from near zero to the peak LR."""
+    decay_ratio: float = 1.0
+    """Fraction of the post-warm-up steps spent decaying at the end; the steps between
+    warm-up and decay hold the peak LR (warmup-stable-decay)."""
+    decay_type: str = "linear"
+    """linear or cosine."""
+    min_lr_factor: float = 0.1
+    """LR at the end of decay, as a fraction of the peak."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    enable: bool = False
+    """Save and resume distributed checkpoints."""
+
+
+@dataclass(frozen=True)
+class Metrics:
+    log_freq: int = 10
+    """Log every N steps (and the first and last step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files."""
+
+
+@dataclass(frozen=True)
+class Data:
+    path: str = ""
+    """A .txt/.jsonl file or a folder of them; empty means the embedded Python
+    standard-library source."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl records."""
+    tokenizer: str = "byte"
+    """byte (built in) or a folder with Hugging Face tokenizer files."""
+    shuffle: bool = True
+    """Shuffle samples with data.seed (layout-independent)."""
+    seed: int = 0
+    """Seed of the sample order."""
+    num_workers: int = 0
+    """Data loader worker processes."""
+    holdout_fraction: float = 0.01
+    """Tail fraction of the token stream kept out of training for validation."""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpoint:
+    mode: str = "none"
+    """none, full, or selective (every `selective_every`-th block)."""
+    selective_every: int = 2
+    """With selective mode, checkpoint every N-th transformer block."""
+
+
+@dataclass(frozen=True)
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block."""
+
+
+@dataclass(frozen=True)
+class Comm:
+    init_timeout_s: int = 300
+    """Timeout for process-group creation and the first collectives."""
+    train_timeout_s: int = 300
+    """Timeout for any collective during training."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    data: Data = field(default_factory=Data)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    comm: Comm = field(default_factory=Comm)
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(section: type) -> dict[str, type]:
+    hints = typing.get_type_hints(section)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def field_docs(section: type) -> dict[str, str]:
+    """Docstrings written under each field, read from the source (Python drops them)."""
+    tree = ast.parse(inspect.getsource(section))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
+
+
+def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
+    """Check (TOML) or parse (CLI string) one value against its declared type."""
+    name = getattr(typ, "__name__", str(typ))
+    if from_cli and isinstance(value, str):
+        try:
+            if typ is bool:
+                lowered = value.lower()
+                if lowered not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return lowered in ("true", "1")
+            if typ is int:
+                return int(value)
+            if typ is float:
+                return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {name}, got '{value}'") from None
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not typ:
+        raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(values: dict, section: str, key: str, raw: object, from_cli: bool) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}'{_nearest(section, list(sections))}")
+    types = _field_types(sections[section])
+    if key not in types:
+        raise ConfigError(f"unknown config key '{section}.{key}'"
+                          f"{_nearest(key, list(types))}")
+    values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", raw, types[key], from_cli)
+
+
+def _read_toml(path: Path) -> dict:
+    import tomli
+
+    try:
+        with open(path, "rb") as f:
+            return tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given, else a bare file name looked up in train_configs/."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and (CONFIG_DIR / name).is_file():
+        return CONFIG_DIR / name
+    raise ConfigError(f"config file '{name}' not found (looked in . and {CONFIG_DIR}); "
+                      "pass a path or a file name in train_configs/")
+
+
+def _parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], set[str]]:
+    config, pairs, flags = None, [], set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--help", "-h", "--print-config"):
+            flags.add(arg)
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; options look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = "true"  # a bare flag switches a bool on; other types reject it
+        i += 1
+        if name in ("config", "job.config_file"):
+            config = value
+        elif "." not in name:
+            raise ConfigError(f"option '--{name}' must look like --section.key"
+                              f"{_nearest(name, list(_sections()))}")
+        else:
+            pairs.append((name, value))
+    return config, pairs, flags
+
+
+def load(argv: list[str]) -> tuple[JobConfig, set[str]]:
+    """Build the JobConfig from `--config FILE` and `--section.key value` overrides."""
+    config, pairs, flags = _parse_cli(argv)
+    values: dict[str, dict] = {}
+    if config is not None:
+        path = resolve_config_path(config)
+        for section, table in _read_toml(path).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: '{section}' must be a [section] table")
+            for key, raw in table.items():
+                _set(values, section, key, raw, from_cli=False)
+    for name, raw in pairs:
+        section, _, key = name.partition(".")
+        _set(values, section, key, raw, from_cli=True)
+    sections = _sections()
+    cfg = JobConfig(**{s: sections[s](**values.get(s, {})) for s in sections})
+    validate(cfg)
+    return cfg, flags
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no world size, model or files; everything else is checked where known."""
+    t, p, s = cfg.training, cfg.parallelism, cfg.lr_scheduler
+    for key, val in [("training.steps", t.steps), ("training.seq_len", t.seq_len),
+                     ("training.local_batch_size", t.local_batch_size),
+                     ("metrics.log_freq", cfg.metrics.log_freq),
+                     ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+                     ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+                     ("parallelism.context_parallel_degree", p.context_parallel_degree),
+                     ("activation_checkpoint.selective_every", cfg.activation_checkpoint.selective_every),
+                     ("comm.init_timeout_s", cfg.comm.init_timeout_s),
+                     ("comm.train_timeout_s", cfg.comm.train_timeout_s)]:
+        if val < 1:
+            raise ConfigError(f"{key} must be >= 1, got {val}")
+    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
+        raise ConfigError("parallelism.data_parallel_shard_degree must be >= 1 or -1 (the rest of "
+                          f"the world), got {p.data_parallel_shard_degree}")
+    if t.global_batch_size < 1 and t.global_batch_size != -1:
+        raise ConfigError(f"training.global_batch_size must be >= 1 or -1, got {t.global_batch_size}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    if not 0.0 <= cfg.data.holdout_fraction < 1.0:
+        raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
+    _choice("optimizer.name", cfg.optimizer.name, ("AdamW",))
+    _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
+    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
+    _choice("training.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
+            ("default", "always", "never"))
+    _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
+    _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
+    if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
+    if s.warmup_steps >= t.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps ({s.warmup_steps}) must be below training.steps "
+                          f"({t.steps}); lower it or train longer")
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        raise ConfigError(f"data.path: '{cfg.data.path}' does not exist")
+    if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is neither 'byte' nor a folder")
+    if cfg.checkpoint.enable:
+        raise ConfigError("checkpoint.enable: checkpointing is not available in this version")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged configuration as TOML text."""
+    def fmt(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    out = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        out.append(f"[{f.name}]")
+        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(section).items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def help_text() -> str:
+    lines = ["usage: python -m titanlite.train [--config FILE] [--section.key VALUE ...] "
+             "[--print-config] [--help]", ""]
+    for name, section in _sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(section)
+        for f in dataclasses.fields(section):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{name}.{f.name} (default: {default!r})\n      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def world_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m titanlite.config ...`: validate and print; used by run_train.sh before launch."""
+    try:
+        cfg, flags = load(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        sys.exit(f"titanlite: error: {e}")
+    if "--help" in flags or "-h" in flags:
+        print(help_text())
+    else:
+        print(to_toml(cfg))
+
+
+if __name__ == "__main__":
+    main()

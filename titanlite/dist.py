@@ -1,0 +1,117 @@
+"""Process group, device and the one DeviceMesh over [dp_replicate, dp_shard, cp, tp]."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titanlite.config import ConfigError, Parallelism
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+
+    @staticmethod
+    def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
+        r, s, c, t = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
+                      cfg.context_parallel_degree, cfg.tensor_parallel_degree)
+        if s == -1:
+            if world_size % (r * c * t):
+                raise ConfigError(f"world size {world_size} is not divisible by dp_replicate {r} x cp {c} "
+                                  f"x tp {t} = {r * c * t}; change the parallelism degrees or NGPU")
+            s = world_size // (r * c * t)
+        if r * s * c * t != world_size:
+            raise ConfigError(f"parallelism degrees dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
+                              f"{r * s * c * t} differ from the world size {world_size}; "
+                              "make their product equal the number of ranks")
+        return ParallelDims(r, s, c, t)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different slices of each global batch exist."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    def build_meshes(self, device_type: str) -> "Meshes":
+        world = init_device_mesh(device_type, (self.dp_replicate * self.dp_shard * self.cp * self.tp,),
+                                 mesh_dim_names=("world",))
+        # Views of one world mesh in row-major [dp_replicate, dp_shard, cp, tp] order, so a
+        # rank has the same coordinates in each and DTensors from any of them compose.
+        return Meshes(
+            dims=self,
+            dense=world._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp, self.tp),
+                                   ("dp_replicate", "dp_shard_cp", "tp")),
+            batch=world._unflatten(0, (self.dp, self.cp, self.tp), ("dp", "cp", "tp")),
+            loss=world._unflatten(0, (self.dp * self.cp, self.tp), ("dp_cp", "tp")),
+        )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """Named sub-meshes of the world mesh [dp_replicate, dp_shard, cp, tp]."""
+
+    dims: ParallelDims
+    dense: DeviceMesh
+    """[dp_replicate, dp_shard_cp, tp]: FSDP/HSDP and TP."""
+    batch: DeviceMesh
+    """[dp, cp, tp]: which slice of the global batch, and of the sequence, a rank holds."""
+    loss: DeviceMesh
+    """[dp_cp, tp]: the ranks whose token sums make up the global loss."""
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """1-D mesh for FSDP, or 2-D (replicate, shard) for HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self.dense["dp_replicate", "dp_shard_cp"]
+        return self.dense["dp_shard_cp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.dense["tp"]
+
+    @property
+    def dp(self) -> DeviceMesh:
+        return self.batch["dp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.batch["cp"]
+
+    @property
+    def dp_cp(self) -> DeviceMesh:
+        return self.loss["dp_cp"]
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: cuda requested but no CUDA device is visible; use auto or cpu")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_process_group(device: torch.device, timeout_s: int) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # a lone `python -m titanlite.train` (no torchrun) is a world of one
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)

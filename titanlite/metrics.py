@@ -1,0 +1,68 @@
+"""Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s (no sparsity) by device-name fragment; unknown devices get no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr",
+           "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib"}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or this process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Writes only on rank 0; other ranks hold a disabled instance so call sites stay simple."""
+
+    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(folder / "metrics.jsonl", "a")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(folder / "tb" / (run_name or time.strftime("%Y%m%d-%H%M%S"))))
+
+    def log(self, step: int, values: dict[str, float | None], eta_s: float) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **values}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, tag in TB_TAGS.items():
+                if values.get(key) is not None:
+                    self.writer.add_scalar(tag, values[key], step)
+        mfu = "-" if values["mfu_pct"] is None else f"{values['mfu_pct']:.1f}%"
+        print(f"step {step:6d}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.4f}  "
+              f"lr {values['lr']:.2e}  tok/s/dev {values['tokens_per_sec']:,.0f}  mfu {mfu}  "
+              f"peak_mem {values['peak_gib']:.2f}GiB  eta {eta_s / 60:.1f}min", flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            if self.writer is not None:
+                self.writer.close()

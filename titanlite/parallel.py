@@ -1,0 +1,73 @@
+"""Model-agnostic parallel helpers that a model's parallelize.py composes in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import ActivationCheckpoint, Compile
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """The narrow slice of the job config that parallelize functions need."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reshard_after_forward: str
+    activation_checkpoint: ActivationCheckpoint
+    compile: Compile
+
+
+def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
+    """Recompute block activations in backward: all blocks (full) or every N-th (selective)."""
+    if cfg.mode == "none":
+        return
+    for i, name in enumerate(list(blocks.keys())):
+        if cfg.mode == "full" or i % cfg.selective_every == 0:
+            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
+
+
+def apply_compile(blocks: nn.ModuleDict) -> None:
+    """Compile each block in place, so parameter names (and checkpoints) are unchanged."""
+    for block in blocks.values():
+        block.compile(fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, opts: ParallelizeOptions) -> None:
+    """fully_shard each block bottom-up, then the root (embeddings, final norm, output)."""
+    mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
+    names = list(blocks.keys())
+    for i, name in enumerate(names):
+        if opts.reshard_after_forward == "default":
+            # the last block is needed again at once by backward: keep it gathered
+            reshard = i < len(names) - 1
+        else:
+            reshard = opts.reshard_after_forward == "always"
+        fully_shard(blocks[name], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward == "always")
+    # The loss is already divided by the global token count, so gradients must be
+    # summed across ranks, not averaged. A plain SUM also runs on gloo (no PREMUL_SUM).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        # Partial over the sharded mesh dims: one all-reduce makes it the true global norm
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

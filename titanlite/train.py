@@ -1,0 +1,173 @@
+"""Training entry point: `python -m titanlite.train --config X.toml [--section.key value ...]`.
+
+One step: pull this rank's micro-batches of the global batch, count the global target
+tokens, run forward/backward on each micro-batch with the loss summed over tokens and
+divided by that count, clip by the global norm, step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite import config
+from titanlite.attention import AttnContext
+from titanlite.config import ConfigError, JobConfig
+from titanlite.data import build_dataloader
+from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
+from titanlite.model_spec import ModelSpec, get_model_spec, model_args
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.tokenizer import Tokenizer, build_tokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Plan:
+    """Everything decided before any process group or weight exists."""
+
+    dims: ParallelDims
+    spec: ModelSpec
+    args: Any
+    tokenizer: Tokenizer
+    global_batch_size: int
+
+
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """All checks that need no process group, so bad input fails fast on every rank."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
+    spec.validate(args, dims)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
+                          f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    t = cfg.training
+    gbs = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % (t.local_batch_size * dims.dp):
+        raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
+                          f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
+    return Plan(dims, spec, args, tokenizer, gbs)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def train(cfg: JobConfig, plan: Plan) -> None:
+    t = cfg.training
+    device = pick_device(t.device)
+    init_process_group(device, cfg.comm.init_timeout_s)
+    rank = dist.get_rank()
+    torch.manual_seed(t.seed)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    dims = plan.dims
+    meshes = dims.build_meshes(device.type)
+    param_dtype = _dtype(t.mixed_precision_param, device)
+
+    with torch.device("meta"):
+        model = plan.spec.build(plan.args)
+    opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
+                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+    plan.spec.parallelize(model, meshes, opts)
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device).manual_seed(t.seed))
+    model.train()
+
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    dp_rank = meshes.dp.get_local_rank()
+    loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
+    accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
+    loss_group = meshes.dp_cp.get_group()
+    # FSDP casts parameters itself; without it, autocast gives the same mixed precision
+    autocast = (torch.autocast(device.type, dtype=param_dtype)
+                if param_dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
+
+    metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({n_params / 1e6:.1f}M params), {dims}, "
+              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
+              f"{device.type}, {param_dtype}", flush=True)
+    flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
+    peak_flops = device_peak_flops(device)
+    data_iter = iter(loader)
+    start = last_log = time.perf_counter()
+    last_log_step = 0
+
+    for step in range(1, t.steps + 1):
+        batches = [next(data_iter) for _ in range(accum)]
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        dist.all_reduce(n_targets, group=loss_group)
+        loss_sum = torch.zeros((), device=device)
+        for batch in batches:
+            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            with autocast:
+                logits = model(inputs, AttnContext())
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                   ignore_index=IGNORE_INDEX)
+            (loss / n_targets).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+            dist.all_reduce(loss_sum, group=loss_group)
+            now = time.perf_counter()
+            tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
+            mfu = None if peak_flops is None else 100 * tokens_per_sec * flops_per_token / peak_flops
+            eta = (now - start) / step * (t.steps - step)
+            metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
+                               "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
+                               "peak_gib": peak_memory_gib(device)}, eta)
+            last_log, last_log_step = now, step
+
+    metrics.close()
+    # Written after the last collective: proof this rank finished, for launchers and tests
+    done = Path(cfg.job.dump_folder) / "status"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg, flags = config.load(sys.argv[1:] if argv is None else argv)
+        if flags & {"--help", "-h"}:
+            print(config.help_text())
+            return
+        if "--print-config" in flags:
+            print(config.to_toml(cfg))
+            return
+        train(cfg, preflight(cfg, config.world_size()))
+    except ConfigError as e:
+        rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
+        print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
