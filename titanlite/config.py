@@ -270,7 +270,7 @@ def _parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], set[
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("--help", "-h", "--print-config"):
+        if arg in ("--help", "-h", "--print-config", "--check"):
             flags.add(arg)
             i += 1
             continue
@@ -387,7 +387,9 @@ def to_toml(cfg: JobConfig) -> str:
 
 def help_text() -> str:
     lines = ["usage: python -m titanlite.train [--config FILE] [--section.key VALUE ...] "
-             "[--print-config] [--help]", ""]
+             "[--print-config] [--check] [--help]",
+             "  --print-config  print the merged config as TOML and exit",
+             "  --check         validate config, layout, model and data paths, then exit", ""]
     for name, section in _sections().items():
         lines.append(f"[{name}]")
         docs = field_docs(section)

@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         if "--print-config" in flags:
             print(config.to_toml(cfg))
             return
-        train(cfg, preflight(cfg, config.world_size()))
+        plan = preflight(cfg, config.world_size())
+        if "--check" in flags:
+            return
+        train(cfg, plan)
     except ConfigError as e:
         rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
         print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)

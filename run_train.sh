@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Launch titanlite training with torchrun.
+#   [NGPU=N] ./run_train.sh [--config FILE] [--section.key VALUE ...]
+# FILE may be a bare name in train_configs/. Multi-node: set NNODES, NODE_RANK and
+# RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
+set -euo pipefail
+
+NGPU=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count() or 1)")}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+
+case " $* " in
+  *" --help "* | *" -h "* | *" --print-config "*) exec python -m titanlite.train "$@" ;;
+esac
+
+# Validate in one process first: bad input gives one clear line, not one per rank.
+WORLD_SIZE=$((NGPU * NNODES)) python -m titanlite.train --check "$@"
+
+if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then
+  launch=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d
+          --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for multi-node runs}"
+          --rdzv_id="${RDZV_ID:-titanlite}")
+else
+  launch=(--standalone)
+fi
+exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter="${LOG_RANK:-0}" \
+  -m titanlite.train "$@"
