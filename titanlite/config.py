@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import inspect
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,19 +404,3 @@ def world_size() -> int:
 
 def world_rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m titanlite.config ...`: validate and print; used by run_train.sh before launch."""
-    try:
-        cfg, flags = load(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        sys.exit(f"titanlite: error: {e}")
-    if "--help" in flags or "-h" in flags:
-        print(help_text())
-    else:
-        print(to_toml(cfg))
-
-
-if __name__ == "__main__":
-    main()
