@@ -130,3 +130,10 @@ def test_print_config_round_trips(tmp_path):
     cfg, _ = load(["--training.steps", "42", "--job.description", 'say "hi"'])
     again, _ = load(["--config", write(tmp_path, config.to_toml(cfg))])
     assert again == cfg
+
+
+def test_list_values_parse_from_toml_and_cli():
+    assert config._coerce("k", "a,b", list[str], from_cli=True) == ["a", "b"]
+    assert config._coerce("k", [1, 2.5], list[float], from_cli=False) == [1.0, 2.5]
+    with pytest.raises(ConfigError, match="k: expected a list"):
+        config._coerce("k", "a", list[str], from_cli=False)

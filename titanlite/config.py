@@ -210,6 +210,13 @@ def _nearest(name: str, options: list[str]) -> str:
 
 def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
     """Check (TOML) or parse (CLI string) one value against its declared type."""
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v]  # CLI lists are comma-separated
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(key, v, item, from_cli) for v in value]
     name = getattr(typ, "__name__", str(typ))
     if from_cli and isinstance(value, str):
         try:
