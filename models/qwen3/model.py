@@ -35,9 +35,12 @@ class ModelArgs:
     tie_embeddings: bool = False
 
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """One rotation frequency per (i, i + head_dim/2) pair."""
-    return 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+def rope_angles(args: ModelArgs) -> torch.Tensor:
+    """[max_seq_len, head_dim/2] rotation angles, one frequency per (i, i + head_dim/2) pair.
+    Computed in float32 like the reference implementation: in float64 the angles at
+    large positions differ by up to ~1e-3 rad from those the released weights saw."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    return torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,7 +136,7 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # to_empty replaces plain (non-DTensor) parameters one by one, which unties them
             self.output.weight = self.tok_embeddings.weight
-        angles = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float64), rope_frequencies(self.args))
+        angles = rope_angles(self.args)
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
         out_std = self.args.dim ** -0.5

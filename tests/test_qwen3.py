@@ -1,0 +1,104 @@
+"""Qwen3: published parameter counts, Hugging Face logits parity, export round trip, configs."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import REPO
+from safetensors.torch import save_file
+
+from models.qwen3 import flavors, hf
+from models.qwen3.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+# Totals as published for the Qwen/Qwen3-* releases (tied sizes count the table once),
+# and the model cards' non-embedding counts in billions.
+PUBLISHED = {"0.6B": (596_049_920, "0.44"), "1.7B": (1_720_574_976, "1.4"), "4B": (4_022_468_096, "3.6"),
+             "8B": (8_190_735_360, "6.95"), "14B": (14_768_307_200, "13.2"), "32B": (32_762_123_264, "31.2")}
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_flavor_parameter_counts_match_published_and_transformers(flavor):
+    args = flavors[flavor]
+    with torch.device("meta"):
+        ours = Transformer(args)
+        theirs = transformers.Qwen3ForCausalLM(hf.hf_config(args))
+    total, non_embedding_b = PUBLISHED[flavor]
+    assert _count(ours) == _count(theirs) == total
+    embedding = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    digits = len(non_embedding_b.partition(".")[2])
+    assert f"{(total - embedding) / 1e9:.{digits}f}" == non_embedding_b
+    assert hf.args_from_hf_config(theirs.config) == args
+
+
+def _tiny(tie: bool):
+    args = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64, tie_embeddings=tie)
+    torch.manual_seed(0)
+    config = hf.hf_config(args)
+    config.initializer_range = 0.1  # larger weights than the default make the logits a sharper check
+    theirs = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # norms start at ones; random ones catch a swapped or missed norm weight
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return args, theirs
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_import_matches_transformers_logits(tie):
+    args, theirs = _tiny(tie)
+    ours = Transformer(args)
+    ours.init_weights(torch.Generator().manual_seed(1))
+    ours.load_state_dict(hf.from_hf(theirs.state_dict(), args), strict=True)
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tie
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = theirs(tokens).logits, ours.eval()(tokens)
+    assert expected.abs().max() > 1.0  # the check below is meaningful only for non-trivial logits
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_round_trips_through_transformers(tie, tmp_path):
+    args, _ = _tiny(tie)
+    ours = Transformer(args)
+    ours.init_weights(torch.Generator().manual_seed(2))
+    exported = hf.to_hf(ours.state_dict(), args)
+    assert ("lm_head.weight" in exported) != tie
+    back = hf.from_hf(exported, args)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+    # what transformers itself loads from the exported files gives our logits
+    save_file({k: v.contiguous() for k, v in exported.items()}, tmp_path / "model.safetensors")
+    hf.hf_config(args).save_pretrained(tmp_path)
+    loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (loaded(tokens).logits - ours.eval()(tokens)).abs().max().item() <= 1e-5
+    assert hf.args_from_hf_config(loaded.config) == args
+
+
+def test_tied_embeddings_survive_materialisation():
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
+    model.to_empty(device="cpu")
+    model.init_weights(torch.Generator().manual_seed(0))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
+
+
+@pytest.mark.parametrize("name,world", [("qwen3_debug.toml", 1), ("qwen3_0.6b.toml", 8), ("qwen3_8b.toml", 64)])
+def test_train_configs_pass_preflight(name, world):
+    env = {**os.environ, "WORLD_SIZE": str(world), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "titanlite.train", "--config", name, "--check"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
