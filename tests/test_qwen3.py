@@ -1,6 +1,7 @@
 """Qwen3: published parameter counts, Hugging Face logits parity, export round trip, configs."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from models.qwen3 import flavors, hf
 from models.qwen3.model import Transformer
+from titanlite.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,21 +32,44 @@ def test_flavor_parameter_counts_match_published_and_transformers(flavor):
     args = flavors[flavor]
     with torch.device("meta"):
         ours = Transformer(args)
-        theirs = transformers.Qwen3ForCausalLM(hf.hf_config(args))
+        theirs = transformers.Qwen3ForCausalLM(_hf_config(args))
     total, non_embedding_b = PUBLISHED[flavor]
     assert _count(ours) == _count(theirs) == total
     embedding = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
     digits = len(non_embedding_b.partition(".")[2])
     assert f"{(total - embedding) / 1e9:.{digits}f}" == non_embedding_b
-    assert hf.args_from_hf_config(theirs.config) == args
+    assert hf.args_from_hf(theirs.config.to_dict()) == args
+
+
+def _hf_config(args, **extra):
+    return transformers.Qwen3Config(**hf.config_to_hf(args, torch.float32), **extra)
+
+
+def test_published_config_json_gives_the_flavor():
+    # Qwen/Qwen3-0.6B's config.json as released (transformers 4.51 format)
+    released = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+                "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+                "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+                "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+                "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+                "use_sliding_window": False, "vocab_size": 151936}
+    assert hf.args_from_hf(released) == flavors["0.6B"]
+    for bad, match in [({"model_type": "llama"}, "not 'qwen3'"), ({"attention_bias": True}, "attention_bias"),
+                       ({"use_sliding_window": True}, "sliding"),
+                       ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'")]:
+        with pytest.raises(ConfigError, match=match):
+            hf.args_from_hf({**released, **bad})
+    with pytest.raises(ConfigError, match="no Qwen3 counterpart"):
+        hf.from_hf({"model.layers.0.self_attn.q_proj.bias": torch.zeros(4)}, flavors["0.6B"])
 
 
 def _tiny(tie: bool):
     args = dataclasses.replace(flavors["debugmodel"], n_layers=2, max_seq_len=64, tie_embeddings=tie)
     torch.manual_seed(0)
-    config = hf.hf_config(args)
-    config.initializer_range = 0.1  # larger weights than the default make the logits a sharper check
-    theirs = transformers.Qwen3ForCausalLM(config).float().eval()
+    # larger weights than the default make the logits a sharper check
+    theirs = transformers.Qwen3ForCausalLM(_hf_config(args, initializer_range=0.1)).float().eval()
     with torch.no_grad():  # norms start at ones; random ones catch a swapped or missed norm weight
         for name, p in theirs.named_parameters():
             if "norm" in name:
@@ -79,12 +104,12 @@ def test_export_round_trips_through_transformers(tie, tmp_path):
 
     # what transformers itself loads from the exported files gives our logits
     save_file({k: v.contiguous() for k, v in exported.items()}, tmp_path / "model.safetensors")
-    hf.hf_config(args).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(args, torch.float32)))
     loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (loaded(tokens).logits - ours.eval()(tokens)).abs().max().item() <= 1e-5
-    assert hf.args_from_hf_config(loaded.config) == args
+    assert hf.args_from_hf(loaded.config.to_dict()) == args
 
 
 def test_tied_embeddings_survive_materialisation():

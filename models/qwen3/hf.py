@@ -1,101 +1,98 @@
-"""Hugging Face interop: Qwen3ForCausalLM state dicts and configs <-> this folder's model.
+"""Qwen3 <-> transformers' Qwen3ForCausalLM: parameter names and config.json.
 
-RoPE is implemented in the rotate-half layout that Qwen's weights are trained with
-(see model.apply_rope), so q/k projections and the per-head q/k norms convert by
-name alone: no row permutation is needed in either direction.
+This folder's RoPE rotates dim i with dim i + head_dim/2, the layout Qwen's weights are
+trained in (see model.apply_rope). So, unlike Llama 3's adapter, no q/k row permutation
+is needed, and the per-head_dim QK-norm weights convert as they are.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from titanlite.config import ConfigError
+
 from .model import ModelArgs
 
-# ours <-> Hugging Face, with {} for the layer index
-_LAYER_KEYS = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_KEYS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_TO_OURS_LAYER = {v: k for k, v in _LAYER_KEYS.items()}
-_HF_TO_OURS_TOP = {v: k for k, v in _TOP_KEYS.items()}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full (unsharded) state dict -> Qwen3ForCausalLM names. A tied output is left
-    out, as Hugging Face saves it."""
+    """Full (unsharded) titanlite state dict -> transformers names."""
     out = {}
-    for key, value in state_dict.items():
-        if args.tie_embeddings and key == "output.weight":
+    for key, w in state_dict.items():
+        if key == "output.weight" and args.tie_embeddings:
+            continue  # transformers re-ties lm_head to the embedding
+        if key in _TOP:
+            out[_TOP[key]] = w
             continue
-        m = _OURS_LAYER.fullmatch(key)
-        if m and m.group(2) in _LAYER_KEYS:
-            out[f"model.layers.{m.group(1)}.{_LAYER_KEYS[m.group(2)]}"] = value
-        elif key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = value
-        else:
-            raise KeyError(f"qwen3 hf export: no Hugging Face name for '{key}'")
+        _, layer, rest = key.split(".", 2)
+        out[f"model.layers.{layer}.{_LAYER[rest]}"] = w
     return out
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Qwen3ForCausalLM names -> ours. With tied embeddings the output is the embedding
-    table; a stored lm_head.weight is then ignored."""
+def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """transformers state dict -> titanlite names; a tied lm_head.weight is dropped."""
     out = {}
-    for key, value in hf_state_dict.items():
-        m = _HF_LAYER.fullmatch(key)
-        if m and m.group(2) in _HF_TO_OURS_LAYER:
-            out[f"layers.{m.group(1)}.{_HF_TO_OURS_LAYER[m.group(2)]}"] = value
-        elif key in _HF_TO_OURS_TOP:
-            if not (args.tie_embeddings and key == "lm_head.weight"):
-                out[_HF_TO_OURS_TOP[key]] = value
-        elif not key.endswith("rotary_emb.inv_freq"):
-            raise KeyError(f"qwen3 hf import: unexpected Hugging Face key '{key}'")
-    if args.tie_embeddings:
+    for key, w in state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer older transformers saved; recomputed from the config
+        if key in _TOP_BACK:
+            if key == "lm_head.weight" and args.tie_embeddings:
+                continue
+            out[_TOP_BACK[key]] = w
+            continue
+        parts = key.split(".", 3)
+        if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in _LAYER_BACK:
+            raise ConfigError(f"Hugging Face weight '{key}' has no Qwen3 counterpart in titanlite")
+        out[f"layers.{parts[2]}.{_LAYER_BACK[parts[3]]}"] = w
+    if args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
-def args_from_hf_config(cfg: Any) -> ModelArgs:
-    """A transformers Qwen3Config (or its config.json as a dict) -> ModelArgs."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    # transformers 5 keeps theta in rope_parameters; older config.json files have rope_theta
-    # at the top level and rope_scaling (null for the released Qwen3 models)
-    rope = get("rope_parameters") or get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"qwen3 hf import: only the default RoPE is supported, got {rope}")
-    theta = rope.get("rope_theta") or get("rope_theta")
-    return ModelArgs(dim=get("hidden_size"), n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
-                     n_kv_heads=get("num_key_value_heads"), head_dim=get("head_dim"),
-                     ffn_hidden=get("intermediate_size"), vocab_size=get("vocab_size"), norm_eps=get("rms_norm_eps"),
-                     rope_theta=float(theta), max_seq_len=get("max_position_embeddings"),
-                     tie_embeddings=bool(get("tie_word_embeddings")))
+def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """ModelArgs -> config.json contents that transformers 4.x and 5.x both read."""
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+            "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta, "rope_scaling": None, "max_position_embeddings": args.max_seq_len,
+            "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+            "use_sliding_window": False, "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def hf_config(args: ModelArgs) -> Any:
-    """ModelArgs -> a transformers Qwen3Config describing the same network."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden,
-                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                       num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
-                       max_position_embeddings=args.max_seq_len, tie_word_embeddings=args.tie_embeddings,
-                       rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
+def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
+    """config.json contents -> ModelArgs; ConfigError for what this model cannot express."""
+    if cfg.get("model_type") != "qwen3":
+        raise ConfigError(f"config.json model_type is '{cfg.get('model_type')}', not 'qwen3'")
+    if cfg.get("attention_bias"):
+        raise ConfigError("config.json sets attention_bias; titanlite's Qwen3 has no biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act is '{cfg['hidden_act']}'; only silu is supported")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError("config.json sets use_sliding_window; titanlite's Qwen3 attends to the whole context")
+    # transformers 5 nests rope_theta in rope_parameters; 4.x keeps rope_theta and rope_scaling apart
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"config.json rope type '{rope_type}' is not supported (default only)")
+    n_heads = cfg["num_attention_heads"]
+    return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+                     n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+                     ffn_hidden=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                     norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                     rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                     max_seq_len=cfg.get("max_position_embeddings", 40960),
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
