@@ -407,6 +407,9 @@ def _validate_data(d: Data, v: Validation) -> None:
     if v.freq and not v.path and d.holdout_fraction == 0:
         raise ConfigError("validation.freq is set but there is no validation data: set "
                           "data.holdout_fraction > 0 or validation.path")
+    if v.freq and not v.path and d.streaming:
+        raise ConfigError("validation.freq with data.streaming needs validation.path: a streamed "
+                          "source has no held-out tail")
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -29,6 +29,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
 from titanlite.tokenizer import Tokenizer, build_tokenizer
+from titanlite.validate import Validator
 
 IGNORE_INDEX = -100
 
@@ -110,6 +111,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     data_iter = iter(loader)
+    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                          t.local_batch_size, dp_rank, dims.dp, loss_group)
+
+    def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy summed over the micro-batch's target tokens."""
+        inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        with autocast:
+            logits = model(inputs, AttnContext())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
     start = last_log = time.perf_counter()
     last_log_step = 0
 
@@ -119,11 +132,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-            with autocast:
-                logits = model(inputs, AttnContext())
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            loss = loss_sum_of(batch)
             (loss / n_targets).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
@@ -140,8 +149,12 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / step * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device)}, eta)
+                               "peak_gib": peak_memory_gib(device),
+                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
+                        eta)
             last_log, last_log_step = now, step
+        if validator.due(step, t.steps):
+            metrics.log_validation(step, validator(model, loss_sum_of, device))
 
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
