@@ -186,12 +186,15 @@ def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool
     if shuffle:
         ds = ds.shuffle(seed=seed, buffer_size=buffer_size)
         ds.set_epoch(epoch)
-    for n, record in enumerate(ds, 1):
-        text = record.get(field)
-        if field not in record or (text is not None and not isinstance(text, str)):
-            raise ConfigError(f"data.path: {path} record {n} has no text field '{field}'; "
-                              "set data.text_field to the field holding the text")
-        yield text or ""
+    # .iter() reads every shard even inside a DataLoader worker (plain iteration would split
+    # shards across workers, and every worker here needs the whole stream)
+    for n, batch in enumerate(ds.iter(batch_size=256)):
+        texts = batch.get(field)
+        bad = texts is None or any(t is not None and not isinstance(t, str) for t in texts)
+        if bad:
+            raise ConfigError(f"data.path: {path} records {256 * n + 1}-{256 * (n + 1)} have no text "
+                              f"field '{field}'; set data.text_field to the field holding the text")
+        yield from (t or "" for t in texts)
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:
