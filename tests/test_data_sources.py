@@ -120,7 +120,7 @@ def test_mix_schedule_and_ratios(tmp_path):
     (tmp_path / "b").mkdir()
     for i in range(30):
         (tmp_path / "b" / f"{i:02d}.txt").write_text(f"file {i} " + "#" * 90)
-    mix = f"{a}:0.7,{tmp_path / 'b'}:0.3"
+    mix = [f"{a}:0.7", f"{tmp_path / 'b'}:0.3"]
     ds = build_dataset(Data(mix=mix, holdout_fraction=0.0), BYTE, 16)
     rows = [ds[g]["input_ids"] for g in range(2000)]
     from_b = [bool((r == ord("#")).sum() > 4 or b"file" in bytes(r[r < 256].tolist())) for r in rows]
@@ -132,7 +132,7 @@ def test_mix_schedule_and_ratios(tmp_path):
 
 def test_mix_layout_independent_and_resumable(tmp_path):
     a, b = write_jsonl(tmp_path / "a.jsonl", 100, seed=1), write_jsonl(tmp_path / "b.jsonl", 100, seed=2)
-    mix = f"{a}:2,{b}:1"
+    mix = [f"{a}:2", f"{b}:1"]
     single = iter(mix_loader(mix, G=8, L=8))
     base = [next(single)["input_ids"] for _ in range(4)]
     for D, L in [(2, 2), (4, 1)]:
@@ -156,10 +156,11 @@ def mix_loader(mix, *, G, L, D=1, rank=0):
 
 
 @pytest.mark.parametrize("spec,error", [
-    ("a.jsonl:0.5", "at least two"),
-    ("a.jsonl:0.5,b.jsonl", "'b.jsonl' must be SOURCE:WEIGHT"),
-    ("a.jsonl:0.5,b.jsonl:-1", "weight > 0"),
-    ("a.jsonl:0.5,a.jsonl:1", "appears twice"),
+    (["a.jsonl:0.5"], "at least two"),
+    (["a.jsonl:0.5", "b.jsonl"], "'b.jsonl' must be SOURCE:WEIGHT"),
+    (["a.jsonl:0.5", "b.jsonl:-1"], "weight > 0"),
+    (["a.jsonl:0.5", "a.jsonl:1"], "appears twice"),
+    (["hf:wikitext:wikitext-2-raw-v1", "b.jsonl:1"], "'hf:wikitext:wikitext-2-raw-v1' must be"),
 ])
 def test_mix_spec_errors(spec, error):
     with pytest.raises(ConfigError, match=error):

@@ -143,9 +143,10 @@ class Data:
     """Tail fraction of the token stream kept out of training for validation."""
     split: str = "train"
     """Split to read from a Hugging Face data set (hf:NAME or a save_to_disk folder)."""
-    mix: str = ""
-    """Weighted mixture instead of data.path: "SOURCE:WEIGHT,SOURCE:WEIGHT" (weights are
-    relative, honoured to 1/1000). Each SOURCE is anything data.path accepts."""
+    mix: list[str] = field(default_factory=list)
+    """Weighted mixture instead of data.path: ["SOURCE:WEIGHT", ...] (on the command line
+    SOURCE:WEIGHT,SOURCE:WEIGHT); weights are relative, honoured to 1/1000. Each SOURCE is
+    anything data.path accepts."""
     streaming: bool = False
     """Read data.path lazily (Hugging Face datasets streaming) instead of tokenizing it whole
     up front; see docs/data.md for what order guarantees hold."""

@@ -211,7 +211,7 @@ def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "t
         return _samples(cfg, tokenizer, seq_len, split)
     mix = parse_mix(cfg.mix)
     counts = mix_counts([w for _, w in mix])
-    parts = [_samples(replace(cfg, path=path, mix=""), tokenizer, seq_len, split, (k,))
+    parts = [_samples(replace(cfg, path=path, mix=[]), tokenizer, seq_len, split, (k,))
              for k, (path, _) in enumerate(mix)]
     return MixedSamples(parts, counts)
 

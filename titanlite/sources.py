@@ -197,10 +197,10 @@ def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool
         yield from (t or "" for t in texts)
 
 
-def parse_mix(spec: str) -> list[tuple[str, float]]:
-    """"SOURCE:WEIGHT,SOURCE:WEIGHT" -> [(source, weight)]; the weight follows the last colon."""
+def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
+    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
     out = []
-    for entry in spec.split(","):
+    for entry in spec:
         source, colon, weight = entry.strip().rpartition(":")
         try:
             w = float(weight) if colon else float("nan")
@@ -208,7 +208,7 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
             w = float("nan")
         if not w > 0 or w == float("inf"):
             raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
-                              "weight > 0, e.g. data.mix = \"a.jsonl:0.7,b_folder:0.3\"")
+                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
         if source in (s for s, _ in out):
             raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
         out.append((source, w))

@@ -24,7 +24,7 @@ IGNORE_INDEX = -100
 def validation_data(val: Validation, data: Data) -> tuple[Data, str]:
     """The data config and holdout split the validation loader reads, in a fixed order."""
     if val.path:
-        return replace(data, path=val.path, split=val.split, mix="", holdout_fraction=0.0,
+        return replace(data, path=val.path, split=val.split, mix=[], holdout_fraction=0.0,
                        shuffle=False, num_workers=0), "train"
     return replace(data, shuffle=False, num_workers=0), "val"
 
