@@ -1,13 +1,16 @@
 """Parquet and Hugging Face sources, streaming, weighted mixtures, epochs, vocab check."""
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_data import BYTE, global_batches, hf_folder, loader, write_jsonl  # noqa: F401 (fixture)
+from test_data import BYTE, global_batches, hf_folder, write_jsonl  # noqa: F401 (fixture)
 
 from titanlite import config
 from titanlite.config import ConfigError, Data
@@ -43,7 +46,7 @@ def test_parquet_file_and_folder(docs, tmp_path):
 
 def test_parquet_without_pyarrow(tmp_path, monkeypatch):
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "a.parquet")
-    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ConfigError, match="needs pyarrow; pip install"):
         read_documents(str(tmp_path / "a.parquet"), "text", "train")
 
@@ -130,7 +133,8 @@ def test_mix_schedule_and_ratios(tmp_path):
     assert ds.epoch(2000) >= 1  # b has fewer than 600 samples: it has looped
 
 
-def test_mix_layout_independent_and_resumable(tmp_path):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mix_layout_independent_and_resumable(tmp_path, num_workers):
     a, b = write_jsonl(tmp_path / "a.jsonl", 100, seed=1), write_jsonl(tmp_path / "b.jsonl", 100, seed=2)
     mix = [f"{a}:2", f"{b}:1"]
     single = iter(mix_loader(mix, G=8, L=8))
@@ -140,18 +144,18 @@ def test_mix_layout_independent_and_resumable(tmp_path):
         for step in range(4):
             got = torch.cat([next(it)["input_ids"] for it in its for _ in range(8 // (L * D))])
             assert torch.equal(got, base[step]), (D, L, step)
-    original = mix_loader(mix, G=8, L=2, D=2, rank=0)
+    original = mix_loader(mix, G=8, L=2, D=2, rank=0, num_workers=num_workers)
     it = iter(original)
     next(it), next(it), next(it)
     state = original.state_dict()
     expected = [next(it)["input_ids"] for _ in range(5)]
-    resumed = mix_loader(mix, G=8, L=2, D=2, rank=0)
+    resumed = mix_loader(mix, G=8, L=2, D=2, rank=0, num_workers=num_workers)
     resumed.load_state_dict(state)
     assert all(torch.equal(x["input_ids"], y) for (x, _), y in zip(zip(resumed, range(5)), expected))
 
 
-def mix_loader(mix, *, G, L, D=1, rank=0):
-    return build_dataloader(Data(mix=mix), BYTE, seq_len=16, global_batch_size=G, local_batch_size=L,
+def mix_loader(mix, *, G, L, D=1, rank=0, num_workers=0):
+    return build_dataloader(Data(mix=mix, num_workers=num_workers), BYTE, seq_len=16, global_batch_size=G, local_batch_size=L,
                             dp_rank=rank, dp_degree=D)
 
 
@@ -174,6 +178,7 @@ def test_config_errors(tmp_path, docs):
         (["--data.mix", f"{docs}:1000,{tmp_path}:0.1"], None),
         (["--validation.freq", "5", "--data.holdout_fraction", "0"], "no validation data"),
         (["--validation.freq", "5", "--data.streaming", "--data.path", str(docs)], "needs validation.path"),
+        (["--data.streaming"], "data.streaming needs data.path"),
     ]:
         if error is None:
             with pytest.raises(ConfigError, match="below 1/1000"):
@@ -204,3 +209,36 @@ def test_vocab_check(hf_folder):  # noqa: F811
                                           f"set model.vocab_size >= {n}"):
         preflight(cfg, 1)
     assert preflight(config.load(["--data.tokenizer", str(hf_folder)])[0], 1).args.vocab_size >= n
+
+
+RESUME_SCRIPT = """
+import json, sys, torch
+from titanlite.config import Data
+from titanlite.data import build_dataloader
+from titanlite.tokenizer import ByteTokenizer
+cfg, state_file, out = Data(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
+loader = build_dataloader(cfg, ByteTokenizer(), seq_len=16, global_batch_size=8, local_batch_size=2,
+                          dp_rank=1, dp_degree=2)
+loader.load_state_dict(torch.load(state_file, weights_only=False))
+torch.save([b["input_ids"] for b, _ in zip(loader, range(6))], out)
+"""
+
+
+@pytest.mark.parametrize("kind,num_workers", [("mix", 2), ("streaming", 0)])
+def test_resume_in_a_new_process(tmp_path, kind, num_workers):
+    a, b = write_jsonl(tmp_path / "a.jsonl", 60, seed=1), write_jsonl(tmp_path / "b.jsonl", 60, seed=2)
+    cfg = ({"mix": [f"{a}:3", f"{b}:1"]} if kind == "mix" else {"path": str(a), "streaming": True})
+    cfg["num_workers"] = num_workers
+    original = build_dataloader(Data(**cfg), BYTE, seq_len=16, global_batch_size=8, local_batch_size=2,
+                                dp_rank=1, dp_degree=2)
+    it = iter(original)
+    for _ in range(9):
+        next(it)
+    torch.save(original.state_dict(), tmp_path / "state.pt")
+    expected = [next(it)["input_ids"] for _ in range(6)]
+    repo = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", RESUME_SCRIPT, json.dumps(cfg), str(tmp_path / "state.pt"),
+                    str(tmp_path / "out.pt")], check=True, cwd=repo,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
+    got = torch.load(tmp_path / "out.pt")
+    assert len(got) == 6 and all(torch.equal(x, y) for x, y in zip(expected, got))

@@ -406,6 +406,8 @@ def _validate_data(d: Data, v: Validation) -> None:
         for source, _ in parse_mix(d.mix):
             check_source(source, "data.mix")
     check_source(d.path)
+    if d.streaming and not d.path:
+        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
     check_source(v.path, "validation.path")
     if d.shuffle_buffer < 1:
         raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")

@@ -115,9 +115,13 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
                           t.local_batch_size, dp_rank, dims.dp, loss_group)
 
+    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a loader micro-batch, on the device (training and validation)."""
+        return {k: v.to(device) for k, v in batch.items()}
+
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Cross-entropy summed over the micro-batch's target tokens."""
-        inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        """Cross-entropy summed over the target tokens of a prepared micro-batch."""
+        inputs, labels = batch["input_ids"], batch["labels"]
         with autocast:
             logits = model(inputs, AttnContext())
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
@@ -127,8 +131,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     last_log_step = 0
 
     for step in range(1, t.steps + 1):
-        batches = [next(data_iter) for _ in range(accum)]
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        batches = [prepare(next(data_iter)) for _ in range(accum)]
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
@@ -154,7 +158,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                         eta)
             last_log, last_log_step = now, step
         if validator.due(step, t.steps):
-            metrics.log_validation(step, validator(model, loss_sum_of, device))
+            val_start = time.perf_counter()
+            metrics.log_validation(step, validator(model, prepare, loss_sum_of, device))
+            last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
