@@ -5,7 +5,8 @@ i is stream[i*L : i*L + L + 1]. Global sample index g lives in epoch g // N at p
 g % N (permuted per epoch when shuffling). Global batch b holds global samples
 [b*G, (b+1)*G); dp rank r takes rows [r*G/D, (r+1)*G/D) in micro-batches. The order of
 global batches thus depends only on the data config, never on the world size, and the
-only loader state is a global cursor.
+only loader state is a global cursor. A mixture interleaves several such sources by a fixed
+per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py.
 """
 
 from __future__ import annotations
