@@ -242,3 +242,35 @@ def test_resume_in_a_new_process(tmp_path, kind, num_workers):
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo})
     got = torch.load(tmp_path / "out.pt")
     assert len(got) == 6 and all(torch.equal(x, y) for x, y in zip(expected, got))
+
+
+def test_bad_sources_fail_at_check_with_one_line(tmp_path, docs):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(tmp_path / "dd")
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    repo = str(Path(__file__).resolve().parent.parent)
+    for args, line in [
+        (["--data.path", str(tmp_path / "a.parquet")], f"data.path: {tmp_path / 'a.parquet'} has no column 'text' "
+                                                      "(columns: body); set data.text_field"),
+        (["--data.mix", f"{docs}:1,{tmp_path / 'bad.jsonl'}:1"], f"data.path: {tmp_path / 'bad.jsonl'} line 1: "
+                                                                "no text field 'text'"),
+        (["--validation.freq", "2", "--validation.path", str(tmp_path / "dd")],
+         f"data.split: '{tmp_path / 'dd'}' has no split 'validation' (splits: train)"),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "titanlite.train", "--check", *args], capture_output=True,
+                              text=True, cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo},
+                              timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", (args, proc.stdout, proc.stderr)
+        assert proc.stderr.startswith("titanlite: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert line in proc.stderr, (line, proc.stderr)
+
+
+def test_validation_reads_each_sample_at_most_once(docs):
+    from titanlite.config import Validation
+    from titanlite.validate import Validator
+
+    data = Data(path=str(docs), holdout_fraction=0.2)
+    n = build_dataset(data, BYTE, 16, "val").num_samples
+    assert Validator(Validation(freq=1, steps=n // 8), data, BYTE, 16, 8, 4, 0, 1, None).loader is not None
+    with pytest.raises(ConfigError, match=f"validation.steps {n // 8 + 1} x global batch 8 is more than the {n}"):
+        Validator(Validation(freq=1, steps=n // 8 + 1), data, BYTE, 16, 8, 4, 0, 1, None)

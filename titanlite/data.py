@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import ConfigError, Data
-from titanlite.sources import parse_mix, read_documents, source_name
+from titanlite.config import ConfigError, Data, Validation
+from titanlite.sources import parse_mix, probe_source, read_documents, source_name
 from titanlite.tokenizer import Tokenizer
 
 MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
@@ -215,6 +215,14 @@ def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "t
     parts = [_samples(replace(cfg, path=path, mix=[]), tokenizer, seq_len, split, (k,))
              for k, (path, _) in enumerate(mix)]
     return MixedSamples(parts, counts)
+
+
+def probe_data(data: Data, val: Validation) -> None:
+    """Check every configured source (training, mixture, validation) before starting."""
+    for path in [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]:
+        probe_source(path, data.text_field, data.split)
+    if val.freq and val.path:
+        probe_source(val.path, data.text_field, val.split)
 
 
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,

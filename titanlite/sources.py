@@ -215,3 +215,27 @@ def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
     if len(out) < 2:
         raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
     return out
+
+
+def probe_source(path: str, field: str, split: str) -> None:
+    """Cheap pre-start check that a source can be read: files exist, columns and splits are
+    there (parquet schemas, the first jsonl record, save_to_disk metadata). Remote hf: data
+    sets are only checked when loaded."""
+    if not path or path.startswith("hf:"):
+        return
+    p = Path(path)
+    if _is_hf_disk(p):
+        _check_column(_hf_dataset(path, split, streaming=False), path, field)
+        return
+    check_source(path)
+    files = _files(p)
+    if not files:
+        raise ConfigError(f"data.path: no .txt, .jsonl or .parquet files in '{path}'")
+    for f in files:
+        if f.suffix == ".parquet":
+            names = _pyarrow_parquet().read_schema(f).names
+            if field not in names:
+                raise ConfigError(f"data.path: {f} has no column '{field}' (columns: {', '.join(names)}); "
+                                  "set data.text_field to the column holding the text")
+        elif f.suffix == ".jsonl":
+            next(_jsonl_documents(f, field), None)

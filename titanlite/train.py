@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from titanlite import config
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
-from titanlite.data import build_dataloader
+from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
@@ -52,6 +52,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")

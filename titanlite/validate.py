@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config import Data, Validation
+from titanlite.config import ConfigError, Data, Validation
 from titanlite.data import build_dataloader
 from titanlite.tokenizer import Tokenizer
 
@@ -51,6 +51,11 @@ class Validator:
                                            local_batch_size=self.local_batch_size,
                                            dp_rank=self.dp_rank, dp_degree=self.dp_degree, split=split)
             self.start = self.loader.state_dict()
+            n = getattr(self.loader.dataset, "num_samples", None)  # streams and mixtures: unknown
+            if n is not None and self.val.steps * self.global_batch_size > n:
+                raise ConfigError(f"validation.steps {self.val.steps} x global batch {self.global_batch_size} "
+                                  f"is more than the {n} validation samples; lower validation.steps "
+                                  "(each evaluation reads every sample at most once)")
 
     def due(self, step: int, last_step: int) -> bool:
         return self.val.freq > 0 and (step % self.val.freq == 0 or step == last_step)
