@@ -274,3 +274,27 @@ def test_validation_reads_each_sample_at_most_once(docs):
     assert Validator(Validation(freq=1, steps=n // 8), data, BYTE, 16, 8, 4, 0, 1, None).loader is not None
     with pytest.raises(ConfigError, match=f"validation.steps {n // 8 + 1} x global batch 8 is more than the {n}"):
         Validator(Validation(freq=1, steps=n // 8 + 1), data, BYTE, 16, 8, 4, 0, 1, None)
+
+
+def test_every_source_kind_gives_the_same_batches(tmp_path):
+    texts = [f"document {i}\n" + "line ✓ \n" * (i % 7) for i in range(60)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(tmp_path / "ds")
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"text": texts[:25]}), tmp_path / "pq" / "a.parquet")
+    pq.write_table(pa.table({"text": texts[25:]}), tmp_path / "pq" / "b.parquet")
+    (tmp_path / "tx").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "tx" / f"{i:03d}.txt").write_text(text)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    def batches(path, streaming):
+        it = iter(build_dataloader(Data(path=str(path), streaming=streaming, shuffle=False, holdout_fraction=0.0),
+                                   BYTE, seq_len=16, global_batch_size=8, local_batch_size=8, dp_rank=0, dp_degree=1))
+        return torch.cat([next(it)["input_ids"] for _ in range(4)])
+
+    ref = batches(tmp_path / "docs.jsonl", False)
+    assert ref[0, 0] == BYTE.bos_id and BYTE.decode(ref[0, 1:12].tolist()) == texts[0]
+    assert ref[0, 12] == BYTE.eos_id and ref[0, 13] == BYTE.bos_id
+    for kind in ["ds", "pq", "tx", "docs.jsonl"]:
+        for streaming in (False, True):
+            assert torch.equal(batches(tmp_path / kind, streaming), ref), (kind, streaming)
