@@ -298,3 +298,19 @@ def test_every_source_kind_gives_the_same_batches(tmp_path):
     for kind in ["ds", "pq", "tx", "docs.jsonl"]:
         for streaming in (False, True):
             assert torch.equal(batches(tmp_path / kind, streaming), ref), (kind, streaming)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_validation_reads_the_same_batches_every_time(docs, streaming):
+    from titanlite.config import Validation
+    from titanlite.validate import Validator
+
+    v = Validator(Validation(freq=1, steps=3, path=str(docs)), Data(path=str(docs), streaming=streaming),
+                  BYTE, 16, 8, 2, 1, 2, None)
+    runs = []
+    for _ in range(2):
+        v.loader.load_state_dict(v.start)
+        runs.append(torch.cat([b["input_ids"] for b, _ in zip(v.loader, range(6))]))
+    unshuffled = global_batches(docs, 3, G=8, L=8, shuffle=False, holdout_fraction=0.0)
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], torch.cat([b[4:, :-1] for b in unshuffled]))  # rank 1 of 2, in order
