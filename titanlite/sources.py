@@ -177,8 +177,7 @@ def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool
                      buffer_size: int) -> Iterator[str]:
     """One pass over a source without reading it whole; shuffled within a buffer by (seed, epoch)."""
     if not path:
-        yield from _stdlib_documents()
-        return
+        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
     if not (path.startswith("hf:") or Path(path).exists()):
         raise ConfigError(f"data.path: '{path}' does not exist")
     ds = _hf_dataset(path, split, streaming=True)
