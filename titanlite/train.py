@@ -168,6 +168,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
     (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+    # Every marker exists before any rank starts tearing down (gloo may abort there)
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
