@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from titanlite import config
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
-from titanlite.data import build_dataloader
+from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
 from titanlite.tokenizer import Tokenizer, build_tokenizer
+from titanlite.validate import Validator
 
 IGNORE_INDEX = -100
 
@@ -51,6 +52,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -110,20 +112,32 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     data_iter = iter(loader)
+    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                          t.local_batch_size, dp_rank, dims.dp, loss_group)
+
+    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a loader micro-batch, on the device (training and validation)."""
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy summed over the target tokens of a prepared micro-batch."""
+        inputs, labels = batch["input_ids"], batch["labels"]
+        with autocast:
+            logits = model(inputs, AttnContext())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
     start = last_log = time.perf_counter()
     last_log_step = 0
 
     for step in range(1, t.steps + 1):
-        batches = [next(data_iter) for _ in range(accum)]
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        batches = [prepare(next(data_iter)) for _ in range(accum)]
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-            with autocast:
-                logits = model(inputs, AttnContext())
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            loss = loss_sum_of(batch)
             (loss / n_targets).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
@@ -140,14 +154,22 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / step * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device)}, eta)
+                               "peak_gib": peak_memory_gib(device),
+                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
+                        eta)
             last_log, last_log_step = now, step
+        if validator.due(step, t.steps):
+            val_start = time.perf_counter()
+            metrics.log_validation(step, validator(model, prepare, loss_sum_of, device))
+            last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
     (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+    # Every marker exists before any rank starts tearing down (gloo may abort there)
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
