@@ -80,6 +80,9 @@ class Parallelism:
     """Context parallel degree (sequence sharding across ranks)."""
     fsdp_reshard_after_forward: str = "default"
     """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+    loss_parallel: bool = True
+    """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
+    gathering them on every rank; no effect when tensor_parallel_degree is 1."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +24,8 @@ class ParallelizeOptions:
     reshard_after_forward: str
     activation_checkpoint: ActivationCheckpoint
     compile: Compile
+    loss_parallel: bool = False
+    """Leave the logits sharded on vocab (a DTensor) for a loss-parallel cross-entropy."""
 
 
 def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
@@ -61,13 +64,49 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, opts: 
 
 
 @torch.no_grad()
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's layout.
+
+    Without FSDP (which does this itself), a replicated parameter used on sharded
+    activations (a sequence-parallel norm) gets a Partial gradient and a row-wise
+    embedding a Replicate one. Reducing once here spares the optimizer from doing
+    it in every foreach op, and lets the norm below count each shard once.
+    """
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm."""
+    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm.
+
+    Each rank squares the norm of the gradient shards it owns; a shard replicated over
+    mesh dims (HSDP replicas, sequence-parallel norms, plain tensors) is owned by
+    coordinate 0 of those dims. One all-reduce over all ranks sums the squares,
+    whatever the mesh, instead of one reduction per mesh dimension.
+    """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        # Partial over the sharded mesh dims: one all-reduce makes it the true global norm
-        norm = norm.full_tensor()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    owned = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            if g.device_mesh.size() != world or any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError(f"clip_grad_norm_: gradient on mesh {g.device_mesh} with placements "
+                                   f"{g.placements} is not a full-world, reduced layout")
+            coord = g.device_mesh.get_coordinate()
+            if any(c and pl.is_replicate() for c, pl in zip(coord, g.placements)):
+                continue
+            owned.append(g.to_local())
+        elif world == 1 or dist.get_rank() == 0:
+            owned.append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), device=device)
+    if owned:
+        sq += torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2
+    if world > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

@@ -17,20 +17,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titanlite import config
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader
 from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
 from titanlite.tokenizer import Tokenizer, build_tokenizer
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -84,7 +82,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         model = plan.spec.build(plan.args)
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
@@ -120,13 +119,15 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
             inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-            with autocast:
-                logits = model(inputs, AttnContext())
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
-            (loss / n_targets).backward()
+            with loss_context(opts.loss_parallel):
+                with autocast:
+                    logits = model(inputs, AttnContext())
+                loss = cross_entropy_sum(logits, labels)
+                (loss / n_targets).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
+        params = list(model.parameters())
+        reduce_partial_grads(params)
+        grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
