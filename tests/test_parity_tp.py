@@ -41,6 +41,12 @@ def test_tp_matches_single_process(replicate, shard, tp, loss_parallel):
     _check(ref, run)
 
 
+@pytest.mark.parametrize("shard", [1, 2], ids=["tp2", "fsdp2xtp2"])
+def test_tp_without_sequence_parallel(shard):
+    ref = reference([*GLOBAL4, "--training.local_batch_size", "4"])
+    _check(ref, train(shard * 2, [*_parallel(1, shard, 2, shard == 1), "--parallelism.sequence_parallel", "false"]))
+
+
 def test_hsdp_matches_single_process():
     ref = reference([*GLOBAL4, "--training.local_batch_size", "4"])
     _check(ref, train(4, _parallel(2, 2, 1, False)))

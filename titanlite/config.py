@@ -83,6 +83,10 @@ class Parallelism:
     loss_parallel: bool = True
     """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
     gathering them on every rank; no effect when tensor_parallel_degree is 1."""
+    sequence_parallel: bool = True
+    """With tensor parallelism, also shard the sequence between blocks (norms, residual
+    stream), cutting activation memory by the degree; off keeps whole sequences on every
+    tensor-parallel rank. training.seq_len must then be divisible by the degree."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ class ParallelizeOptions:
     compile: Compile
     loss_parallel: bool = False
     """Leave the logits sharded on vocab (a DTensor) for a loss-parallel cross-entropy."""
+    sequence_parallel: bool = True
+    """With TP, shard the sequence between blocks (norms and residual stream)."""
 
 
 def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
@@ -77,34 +79,35 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
+def _owns(g: torch.Tensor) -> bool:
+    """Whether this rank counts this gradient shard, so that each distinct shard counts once."""
+    if not isinstance(g, DTensor):
+        return not dist.is_initialized() or dist.get_rank() == 0  # the same on every rank
+    if any(pl.is_partial() for pl in g.placements):
+        raise RuntimeError(f"clip_grad_norm_: gradient with placements {g.placements} is not reduced; "
+                           "call reduce_partial_grads first")
+    if g.device_mesh.size() != dist.get_world_size():
+        raise RuntimeError(f"clip_grad_norm_: gradient on {g.device_mesh} does not span all ranks; "
+                           "parallelize every parameter over the whole mesh")
+    coord = g.device_mesh.get_coordinate()
+    return not any(c and pl.is_replicate() for c, pl in zip(coord, g.placements))
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global L2 norm over every rank and mesh dimension; returns that norm.
 
-    Each rank squares the norm of the gradient shards it owns; a shard replicated over
-    mesh dims (HSDP replicas, sequence-parallel norms, plain tensors) is owned by
-    coordinate 0 of those dims. One all-reduce over all ranks sums the squares,
-    whatever the mesh, instead of one reduction per mesh dimension.
+    Each rank squares the norm of the gradient shards it owns (a shard replicated over
+    HSDP replicas or TP ranks is owned once), and one all-reduce over all ranks sums
+    the squares, whatever the mesh, instead of one reduction per mesh dimension.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    owned = []
-    for g in grads:
-        if isinstance(g, DTensor):
-            if g.device_mesh.size() != world or any(pl.is_partial() for pl in g.placements):
-                raise RuntimeError(f"clip_grad_norm_: gradient on mesh {g.device_mesh} with placements "
-                                   f"{g.placements} is not a full-world, reduced layout")
-            coord = g.device_mesh.get_coordinate()
-            if any(c and pl.is_replicate() for c, pl in zip(coord, g.placements)):
-                continue
-            owned.append(g.to_local())
-        elif world == 1 or dist.get_rank() == 0:
-            owned.append(g)
+    owned = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _owns(g)]
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), device=device)
     if owned:
         sq += torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
     norm = sq.sqrt()
     if max_norm > 0:

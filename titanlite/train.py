@@ -48,6 +48,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % dims.tp:
+        raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
+                          f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
+                          "change one or set parallelism.sequence_parallel = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
@@ -83,7 +87,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
-                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1)
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
