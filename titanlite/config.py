@@ -85,8 +85,8 @@ class Parallelism:
     gathering them on every rank; no effect when tensor_parallel_degree is 1."""
     sequence_parallel: bool = True
     """With tensor parallelism, also shard the sequence between blocks (norms, residual
-    stream), cutting activation memory by the degree; off keeps whole sequences on every
-    tensor-parallel rank. training.seq_len must then be divisible by the degree."""
+    stream), cutting activation memory by the degree; needs training.seq_len divisible by
+    the degree. Off keeps whole sequences on every tensor-parallel rank."""
 
 
 @dataclass(frozen=True)
