@@ -79,6 +79,13 @@ class Parallelism:
     """Context parallel degree (sequence sharding across ranks)."""
     fsdp_reshard_after_forward: str = "default"
     """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+    loss_parallel: bool = True
+    """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
+    gathering them on every rank; no effect when tensor_parallel_degree is 1."""
+    sequence_parallel: bool = True
+    """With tensor parallelism, also shard the sequence between blocks (norms, residual
+    stream), cutting activation memory by the degree; needs training.seq_len divisible by
+    the degree. Off keeps whole sequences on every tensor-parallel rank."""
 
 
 @dataclass(frozen=True)

@@ -17,21 +17,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titanlite import config
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -51,6 +49,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % dims.tp:
+        raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
+                          f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
+                          "change one or set parallelism.sequence_parallel = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
@@ -86,7 +88,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         model = plan.spec.build(plan.args)
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
@@ -121,12 +125,15 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         return {k: v.to(device) for k, v in batch.items()}
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Cross-entropy summed over the target tokens of a prepared micro-batch."""
-        inputs, labels = batch["input_ids"], batch["labels"]
+        """Cross-entropy summed over the target tokens of a prepared micro-batch.
+        Call inside loss_context(): loss parallel must also cover the backward."""
         with autocast:
-            logits = model(inputs, AttnContext())
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
+            logits = model(batch["input_ids"], AttnContext())
+        return cross_entropy_sum(logits, batch["labels"])
+
+    def eval_loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with loss_context(opts.loss_parallel):
+            return loss_sum_of(batch)
 
     start = last_log = time.perf_counter()
     last_log_step = 0
@@ -137,10 +144,13 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            loss = loss_sum_of(batch)
-            (loss / n_targets).backward()
+            with loss_context(opts.loss_parallel):
+                loss = loss_sum_of(batch)
+                (loss / n_targets).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
+        params = list(model.parameters())
+        reduce_partial_grads(params)
+        grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -160,7 +170,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             last_log, last_log_step = now, step
         if validator.due(step, t.steps):
             val_start = time.perf_counter()
-            metrics.log_validation(step, validator(model, prepare, loss_sum_of, device))
+            metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     metrics.close()
