@@ -126,3 +126,11 @@ def test_train_configs_pass_preflight(name, world):
     plan = preflight(cfg, world)
     assert (cfg.model.name, plan.spec.name) == ("qwen3", "qwen3")
     assert plan.args == dataclasses.replace(flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
+
+
+@pytest.mark.parametrize("tp,message", [(3, "n_heads 8 is not divisible by parallelism.tensor_parallel_degree 3"),
+                                        (8, "tensor_parallel_degree 8 exceeds n_kv_heads 4")])
+def test_bad_tp_degree_is_refused_in_preflight(tp, message):
+    cfg, _ = config.load(["--config", "qwen3_debug.toml", "--parallelism.tensor_parallel_degree", str(tp)])
+    with pytest.raises(ConfigError, match=message):
+        preflight(cfg, tp)
