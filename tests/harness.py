@@ -55,11 +55,11 @@ def _finished(run: Run, nproc: int) -> bool:
 
 
 def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str, str] | None = None,
-           timeout: int = 600) -> Run:
-    """Run `torchrun -m titanlite.train` and return the outcome without judging it."""
+           timeout: int = 600, module: str = "titanlite.train") -> Run:
+    """Run `torchrun -m titanlite.train` (or a test wrapper of it) and return the outcome without judging it."""
     dump = dump or Path(tempfile.mkdtemp(prefix="titanlite-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titanlite.train", "--job.dump_folder", str(dump), *args]
+           "-m", module, "--job.dump_folder", str(dump), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(env), timeout=timeout, cwd=REPO)
     return Run(proc.returncode, proc.stdout + proc.stderr, dump)
 
