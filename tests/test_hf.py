@@ -122,3 +122,37 @@ def test_unsupported_configs_and_bad_folders_are_clear_errors(tmp_path, capsys):
         convert_main(["dcp", "hf", str(tmp_path), str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="cannot convert hf to torch"):
         convert_main(["hf", "torch", str(tmp_path), str(tmp_path / "x.pt")])
+
+
+def test_training_starts_from_a_transformers_folder(tmp_path):
+    """checkpoint.initial_load_format hf on 2 FSDP ranks: the sharded weights the trainer loaded,
+    saved again, are exactly the transformers weights mapped to titanlite."""
+    from harness import TINY, train
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=512, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      max_position_embeddings=8192, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    run = train(2, [*TINY, "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                    "--checkpoint.initial_load_format", "hf"],
+                dump=tmp_path / "run", env={"TITANLITE_TEST_HOOK": "resave"}, module="tests.ckpt_hooks")
+    assert "initial weights from" in run.output
+    args = ADAPTER.args_from_hf(cfg.to_dict())
+    expected = ADAPTER.from_hf(read_safetensors(tmp_path / "hf"), args)
+    got = load_tensors(tmp_path / "run" / "checkpoint-resaved" / "step-0")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    # a config that does not match the model is refused with the differing field named
+    bad = train_fails(tmp_path, [*TINY, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                                 "--checkpoint.initial_load_format", "hf", "--model.vocab_size", "1024"])
+    assert "vocab_size (512 vs 1024)" in bad
+
+
+def train_fails(tmp_path, args) -> str:
+    from harness import launch
+
+    run = launch(1, args, dump=tmp_path / "bad")
+    assert run.returncode != 0
+    return run.output
