@@ -192,8 +192,10 @@ def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor]
 
 def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     (tmp / INFO).write_text(json.dumps(info, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # re-saving a step (after load_step went back): the old copy becomes litter
+        old = final.with_name(final.name + ".old.tmp")
+        final.rename(old)
+        shutil.rmtree(old)
     tmp.rename(final)  # atomic on POSIX: the folder appears whole or not at all
 
 
@@ -412,7 +414,9 @@ class CheckpointManager:
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
     def close(self) -> None:
-        """Wait for an async save to be written and committed."""
+        """Wait until the last save is written and committed, on every rank."""
         self._finish_pending(block=True)
         if self.stager is not None:
             self.stager.close()
+        if self.cfg.enable:
+            dist.barrier()  # rank 0 commits; no rank should report the run finished before that
