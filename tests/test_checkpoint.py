@@ -100,9 +100,12 @@ def test_reshard_loads_identical_state_and_continues_the_stream(layout, straight
     again, is tensor-for-tensor the original, and steps 11-20 match the uninterrupted run."""
     if layout == "tp2" and not _tp_landed():
         pytest.skip("tensor parallelism has not landed in this branch yet")
-    nproc, extra = {"fsdp4": (4, []), "one_process": (1, []),
+    # one_process also finds the newer step-20 and must still obey load_step (then re-save step 20)
+    nproc, extra = {"fsdp4": (4, []), "one_process": (1, ["--checkpoint.load_step", "10"]),
                     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"])}[layout]
     shutil.copytree(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    if layout == "one_process":
+        shutil.copytree(async2 / "checkpoint" / "step-20", tmp_path / "checkpoint" / "step-20")
     run = hooked(nproc, job(nproc, 20, *extra), tmp_path, "resave")
     assert_same_tensors(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint-resaved" / "step-10")
     assert [r["step"] for r in run.metrics] == list(range(11, 21))
@@ -119,7 +122,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(straight1, tmp_path):
     # a newer folder that is no checkpoint at all must be skipped too
     (ckpt / "step-7").mkdir()
     (ckpt / "step-7" / ".metadata").write_bytes(b"not a checkpoint")
-    resumed = train(1, job(1, 20, "--checkpoint.interval", "5"), dump=tmp_path)
+    resumed = train(1, job(1, 20, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2"), dump=tmp_path)
     assert "removing" in resumed.output and "step-10.tmp" in resumed.output
     assert "skipping checkpoint" in resumed.output and "step-7" in resumed.output
     assert "resumed from" in resumed.output and "step-5 " in resumed.output
@@ -127,6 +130,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(straight1, tmp_path):
     got = losses_by_step(tmp_path)
     assert [got[s] for s in range(6, 21)] == ref[5:]
     assert_same_tensors(straight1 / "checkpoint" / "step-20", ckpt / "step-20")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-15", "step-20"]  # keep_latest_k 2
 
 
 def test_export_writes_bf16_model_only(straight1):

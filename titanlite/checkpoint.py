@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import Checkpoint, ConfigError, Data
-from titanlite.hf_io import read_config, read_safetensors
+from titanlite.hf_io import check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
 
 INFO = "titanlite.json"
@@ -325,12 +325,7 @@ class CheckpointManager:
             if adapter is None:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
-            theirs = adapter.config_to_hf(adapter.args_from_hf(read_config(path)), torch.float32)
-            ours = adapter.config_to_hf(self.args, torch.float32)
-            diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype") and ours[k] != theirs[k]]
-            if diff:
-                raise ConfigError(f"{path}/config.json differs from the model config in "
-                                  + ", ".join(f"{k} ({theirs[k]} vs {ours[k]})" for k in diff))
+            check_hf_config(adapter, path, self.args)
             full = adapter.from_hf(read_safetensors(path), self.args)
             check_shapes({k: v.shape for k, v in self.model.state_dict().items()},
                          {k: v.shape for k, v in full.items()}, str(path))

@@ -44,6 +44,16 @@ def read_config(folder: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid JSON ({e})") from None
 
 
+def check_hf_config(adapter: HFAdapter, folder: str | Path, args: Any) -> None:
+    """Refuse a transformers folder whose architecture differs from `args` (context length aside)."""
+    theirs = adapter.config_to_hf(adapter.args_from_hf(read_config(folder)), torch.float32)
+    ours = adapter.config_to_hf(args, torch.float32)
+    diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype") and ours[k] != theirs.get(k)]
+    if diff:
+        raise ConfigError(f"{folder}/config.json differs from the model config in "
+                          + ", ".join(f"{k} ({theirs.get(k)} vs {ours[k]})" for k in diff))
+
+
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX
     if index.is_file():
