@@ -88,9 +88,9 @@ class _Data:
 
     def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
         self.loader, self.global_batch_size = loader, global_batch_size
-        self.order = json.dumps({"path": cfg.path, "text_field": cfg.text_field, "tokenizer": cfg.tokenizer,
-                                 "shuffle": cfg.shuffle, "seed": cfg.seed,
-                                 "holdout_fraction": cfg.holdout_fraction, "seq_len": seq_len}, sort_keys=True)
+        # every data setting but the worker count shapes the global sample order
+        order = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"}
+        self.order = json.dumps({**order, "seq_len": seq_len}, sort_keys=True)
         self.samples_seen = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -107,6 +107,9 @@ class _Data:
             raise ConfigError(f"the checkpoint consumed {sd['samples_seen']} samples, not a multiple of "
                               f"training.global_batch_size {self.global_batch_size}; resuming would "
                               "repeat or skip samples. Use a global batch size that divides it")
+        if getattr(self.loader, "batch_sampler", None) is None and sd["samples_seen"]:
+            raise ConfigError("cannot restore the position in a streamed data source (data.streaming = true); "
+                              "resuming would restart the data. Resume with a map-style source")
         self.samples_seen = sd["samples_seen"]
         # The sampler is the loader's only state and is kept in the main process, so setting
         # it before iter() resumes with or without workers.
