@@ -1,10 +1,8 @@
 """End to end through run_train.sh: the default job, multi-rank launch, metrics, bad input."""
 
 import json
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from harness import REPO, _env, launch

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from titanlite import config
 from titanlite.attention import AttnContext
+from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
@@ -54,6 +55,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                           f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
+                          "launch it without torchrun or with --nproc_per_node=1")
     probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
@@ -107,6 +111,15 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     autocast = (torch.autocast(device.type, dtype=param_dtype)
                 if param_dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
 
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer,
+                             scheduler=scheduler, loader=loader, data=cfg.data, seq_len=t.seq_len,
+                             global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
+                             final_step=t.steps)
+    if cfg.checkpoint.create_seed_checkpoint:
+        ckpt.save_seed()
+        return
+    start_step = ckpt.maybe_load()
+
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
@@ -136,9 +149,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             return loss_sum_of(batch)
 
     start = last_log = time.perf_counter()
-    last_log_step = 0
+    last_log_step = start_step
 
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         batches = [prepare(next(data_iter)) for _ in range(accum)]
         n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
@@ -152,16 +165,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         reduce_partial_grads(params)
         grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
+        ckpt.wait_for_staging()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        ckpt.maybe_save(step)
 
         if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
             dist.all_reduce(loss_sum, group=loss_group)
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
             mfu = None if peak_flops is None else 100 * tokens_per_sec * flops_per_token / peak_flops
-            eta = (now - start) / step * (t.steps - step)
+            eta = (now - start) / (step - start_step) * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
                                "peak_gib": peak_memory_gib(device),
@@ -173,6 +188,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
+    ckpt.close()
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"
