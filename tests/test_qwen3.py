@@ -1,16 +1,20 @@
 """Qwen3: published parameter counts, Hugging Face logits parity, export round trip, configs."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from harness import TINY, train
 
-from models.qwen3 import flavors, hf
+from models.qwen3 import SPEC, flavors, hf
 from models.qwen3.model import Transformer
 from titanlite import config
-from titanlite.config import ConfigError
+from titanlite.checkpoint import load_tensors, write_model_checkpoint
+from titanlite.config import ConfigError, Data
+from titanlite.convert import main as convert_main
+from titanlite.data import build_dataloader
+from titanlite.hf_io import read_config, read_safetensors
+from titanlite.tokenizer import ByteTokenizer
 from titanlite.train import preflight
 
 transformers = pytest.importorskip("transformers")
@@ -75,16 +79,21 @@ def _tiny(tie: bool):
     return args, theirs
 
 
+TOKENS = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("tie", [True, False])
-def test_import_matches_transformers_logits(tie):
+def test_import_matches_transformers_logits(tie, tmp_path):
     args, theirs = _tiny(tie)
+    theirs.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards plus an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert SPEC.hf.args_from_hf(read_config(tmp_path)) == args
     ours = Transformer(args)
     ours.init_weights(torch.Generator().manual_seed(1))
-    ours.load_state_dict(hf.from_hf(theirs.state_dict(), args), strict=True)
+    ours.load_state_dict(SPEC.hf.from_hf(read_safetensors(tmp_path), args), strict=True)
     assert (ours.output.weight is ours.tok_embeddings.weight) == tie
-    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected, got = theirs(tokens).logits, ours.eval()(tokens)
+        expected, got = theirs(TOKENS).logits, ours.eval()(TOKENS)
     assert expected.abs().max() > 1.0  # the check below is meaningful only for non-trivial logits
     assert (got - expected).abs().max().item() <= 1e-5
 
@@ -94,20 +103,41 @@ def test_export_round_trips_through_transformers(tie, tmp_path):
     args, _ = _tiny(tie)
     ours = Transformer(args)
     ours.init_weights(torch.Generator().manual_seed(2))
-    exported = hf.to_hf(ours.state_dict(), args)
+    exported = SPEC.hf.to_hf(ours.state_dict(), args)
     assert ("lm_head.weight" in exported) != tie
-    back = hf.from_hf(exported, args)
+    back = SPEC.hf.from_hf(exported, args)
     assert back.keys() == ours.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
 
-    # what transformers itself loads from the exported files gives our logits
-    save_file({k: v.contiguous() for k, v in exported.items()}, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(args, torch.float32)))
-    loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
-    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    # titanlite checkpoint -> HF folder -> transformers gives our logits
+    write_model_checkpoint(tmp_path / "step-0", ours.state_dict(), "qwen3", args)
+    convert_main(["dcp", "hf", str(tmp_path / "step-0"), str(tmp_path / "hf")])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(loaded).__name__ == "Qwen3ForCausalLM" and loaded.config.tie_word_embeddings == tie
     with torch.no_grad():
-        assert (loaded(tokens).logits - ours.eval()(tokens)).abs().max().item() <= 1e-5
-    assert hf.args_from_hf(loaded.config.to_dict()) == args
+        assert (loaded(TOKENS).logits - ours.eval()(TOKENS)).abs().max().item() <= 1e-5
+    # and back into a titanlite checkpoint, bit for bit
+    convert_main(["hf", "dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model", "qwen3"])
+    again = load_tensors(tmp_path / "dcp")
+    assert all(torch.equal(again[k], v) for k, v in ours.state_dict().items())
+
+
+def test_training_starts_from_hf_weights_under_tp(tmp_path):
+    """The trainer's HF import (sharded over TP ranks) computes transformers' loss at step 1."""
+    args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3ForCausalLM(_hf_config(args, initializer_range=0.1)).float().eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    batch = next(iter(build_dataloader(Data(holdout_fraction=0.0), ByteTokenizer(), seq_len=64, global_batch_size=4,
+                                       local_batch_size=4, dp_rank=0, dp_degree=1)))
+    with torch.no_grad():
+        logits = theirs(batch["input_ids"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    run = train(2, [*TINY, "--model.name", "qwen3", "--training.steps", "3", "--training.global_batch_size", "4",
+                    "--parallelism.tensor_parallel_degree", "2", "--checkpoint.initial_load_path",
+                    str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf"])
+    assert "initial weights from" in run.output
+    assert abs(run.losses[0] - expected) / expected <= 1e-5, (run.losses[0], expected)
 
 
 def test_tied_embeddings_survive_materialisation():

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from titanlite.config import ConfigError
+from titanlite.hf_io import HFAdapter
 
 from .model import ModelArgs
 
@@ -96,3 +97,6 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
                      rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                      max_seq_len=cfg.get("max_position_embeddings", 40960),
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf)
