@@ -142,6 +142,9 @@ class Data:
     """Data loader worker processes."""
     holdout_fraction: float = 0.01
     """Tail fraction of the token stream kept out of training for validation."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample, and RoPE positions
+    restart at each document (as if each ran alone)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlite import config
+from titanlite import config, context_parallel
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader
@@ -50,6 +50,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    context_parallel.validate(cfg.training.seq_len, dims.cp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
@@ -97,6 +98,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     loss_group = meshes.dp_cp.get_group()
+    cp_group = meshes.cp.get_group() if dims.cp > 1 else None
+    cp_rank = meshes.cp.get_local_rank()
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=param_dtype)
                 if param_dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
@@ -114,14 +117,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     last_log_step = 0
 
     for step in range(1, t.steps + 1):
-        batches = [next(data_iter) for _ in range(accum)]
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        batches = [{k: v.to(device) for k, v in next(data_iter).items()} for _ in range(accum)]
+        if cp_group is not None:
+            batches = [context_parallel.shard_batch(b, cp_rank, dims.cp) for b in batches]
+        # local (cp-sharded) labels: the all-reduce over dp_cp makes the global count
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            inputs, labels = batch["input_ids"], batch["labels"]
+            ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), cp_group)
             with autocast:
-                logits = model(inputs, AttnContext())
+                logits = model(inputs, ctx)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
                                    ignore_index=IGNORE_INDEX)
             (loss / n_targets).backward()
