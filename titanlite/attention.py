@@ -6,7 +6,7 @@ Models never know about context parallelism or document masking: they pass an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,16 +25,20 @@ class AttnContext:
     """[batch, full seq] document of every token of the whole (unsharded) sequence;
     attention never crosses a document. None: one causal stream."""
     cp_group: dist.ProcessGroup | None = None
-    """The context-parallel group when this rank holds a head-tail shard of the sequence."""
-    _blocks: list | None = field(default=None, repr=False)
+    """The context-parallel group when this rank holds a head-tail shard of the sequence;
+    positions are then required (each token's global position)."""
+    blocks: list[tuple[slice, int, torch.Tensor | None]] | None = None
+    """Derived: (query rows, key count, boolean mask or None for plain causal) per query
+    chunk. Built once per batch and shared by all layers, as SDPA keeps the mask for
+    backward; FSDP's input casting copies the context per block, blocks included."""
 
-    def blocks(self, local_len: int, device: torch.device) -> list[tuple[slice, int, torch.Tensor | None]]:
-        """(query rows, key count, boolean mask or None for plain causal) per query chunk.
-
-        Built once per batch and shared by all layers (SDPA keeps the mask for backward)."""
-        if self._blocks is None:
-            self._blocks = _blocks(self, local_len, device)
-        return self._blocks
+    def __post_init__(self) -> None:
+        if self.blocks is not None or (self.cp_group is None and self.document_ids is None):
+            return
+        if self.cp_group is not None and self.positions is None:
+            raise ValueError("AttnContext: a cp_group needs the positions of the rank's tokens")
+        ref = self.positions if self.positions is not None else self.document_ids
+        self.blocks = _blocks(self, ref.shape[-1], ref.device)
 
 
 def _blocks(ctx: AttnContext, local_len: int, device: torch.device) -> list:
@@ -72,7 +76,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | N
         kv = gather_sequence(torch.stack([k, v]), ctx.cp_group, dim=3)
         k, v = kv[0], kv[1]
     outs = [_attend(q[:, :, rows], k[:, :, :n_k], v[:, :, :n_k], mask)
-            for rows, n_k, mask in ctx.blocks(q.shape[2], q.device)]
+            for rows, n_k, mask in ctx.blocks]
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
