@@ -27,10 +27,13 @@ class AttnContext:
     cp_group: dist.ProcessGroup | None = None
     """The context-parallel group when this rank holds a head-tail shard of the sequence;
     positions are then required (each token's global position)."""
+    dtype: torch.dtype = torch.float32
+    """dtype of q, k and v in attention (the parameter dtype), which the masks are built in."""
     blocks: list[tuple[slice, int, torch.Tensor | None]] | None = None
-    """Derived: (query rows, key count, boolean mask or None for plain causal) per query
-    chunk. Built once per batch and shared by all layers, as SDPA keeps the mask for
-    backward; FSDP's input casting copies the context per block, blocks included."""
+    """Derived: (query rows, key count, additive mask or None for plain causal) per query
+    chunk. Built once per batch in `dtype` and shared by all layers: SDPA would turn a
+    boolean mask into a float copy per call and keep that for backward, layer after layer.
+    FSDP's input casting copies the context per block, blocks included."""
 
     def __post_init__(self) -> None:
         if self.blocks is not None or (self.cp_group is None and self.document_ids is None):
@@ -60,7 +63,8 @@ def _blocks(ctx: AttnContext, local_len: int, device: torch.device) -> list:
         if ctx.document_ids is not None:
             docs = ctx.document_ids.to(device)
             mask = mask & (docs[:, start:n_k, None] == docs[:, None, :n_k])[:, None]
-        out.append((rows, n_k, mask))
+        additive = torch.zeros(mask.shape, dtype=ctx.dtype, device=device).masked_fill_(~mask, float("-inf"))
+        out.append((rows, n_k, additive))
     return out
 
 
@@ -82,6 +86,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | N
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA; mask None means causal with queries and keys starting together."""
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)  # only if the context's dtype was wrong: correct, but a copy per layer
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         # expand + reshape rather than enable_gqa: every SDPA backend (and DTensor) takes it

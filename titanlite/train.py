@@ -126,7 +126,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
             inputs, labels = batch["input_ids"], batch["labels"]
-            ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), cp_group)
+            ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), cp_group, param_dtype)
             with autocast:
                 logits = model(inputs, ctx)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
