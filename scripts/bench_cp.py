@@ -3,8 +3,10 @@
     OMP_NUM_THREADS=1 python scripts/bench_cp.py --seq-len 8192 --cp 1 2 4
 
 Each cp degree runs the real trainer under torchrun (gloo, one sample of seq_len per
-step, debugmodel); every rank records its own peak RSS when it exits. Prints a Markdown
-table. tok/s is the trainer's per-rank figure averaged over the steps after the first.
+step, debugmodel); every rank records its own peak RSS when it exits. glibc is told to
+map tensors above 128 KiB on their own (MALLOC_MMAP_THRESHOLD_, unless set), so freed
+activations leave RSS instead of staying as heap slack. Prints a Markdown table. tok/s is
+the trainer's per-rank figure averaged over the steps after the first.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def run(cp: int, seq_len: int, steps: int, extra: list[str]) -> dict:
             "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--parallelism.context_parallel_degree", str(cp),
             "--job.dump_folder", str(dump), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore",
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", **os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
            __file__, "--worker", *args]
