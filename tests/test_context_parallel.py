@@ -37,6 +37,19 @@ def test_seq_len_not_divisible_by_two_cp_is_refused_in_preflight():
     assert not run.metrics
 
 
+def test_sequence_parallel_needs_seq_len_divisible_by_tp_x_cp():
+    cfg, _ = config.load([*TINY, *CP2, "--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "12"])
+    with pytest.raises(ConfigError, match=r"seq_len 12 .*tensor_parallel_degree 4 x context_parallel_degree 2"):
+        preflight(cfg, world_size=8)
+
+
+def test_document_mask_with_streaming_is_refused(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a b c"}\n')
+    with pytest.raises(ConfigError, match=r"data.document_mask .*data.streaming"):
+        config.load([*DOCS, "--data.streaming", "true", "--data.path", str(corpus)])
+
+
 def test_document_spans_restart_positions_at_each_document():
     spans = document_spans(np.array([0, 5, 7, 20]), start=3, length=6)  # tokens 3..8
     assert spans["document_ids"].tolist() == [0, 0, 1, 1, 2, 2]
