@@ -75,8 +75,18 @@ def test_document_mask_matches_each_document_alone():
     assert not torch.allclose(causal, alone, atol=1e-3)  # the mask changed something
 
 
+def test_cp2_matches_single_process_in_training_and_validation():
+    val = [*TINY, "--data.holdout_fraction", "0.01", "--validation.freq", "5", "--validation.steps", "2"]
+    ref = reference(val)
+    run = train(2, [*val, *CP2])
+    assert_parity(ref.losses, run.losses)
+    assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
+    assert [s for s, _ in run.val_losses] == [5, 10]
+    for (_, a), (_, b) in zip(ref.val_losses, run.val_losses):
+        assert abs(a - b) / a < 1e-5, (ref.val_losses, run.val_losses)
+
+
 @pytest.mark.parametrize("nproc,layout", [
-    (2, CP2),
     (4, ["--parallelism.context_parallel_degree", "4"]),
     (4, [*CP2, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
 ])
