@@ -80,7 +80,6 @@ def test_cp2_matches_single_process_in_training_and_validation():
     ref = reference(val)
     run = train(2, [*val, *CP2])
     assert_parity(ref.losses, run.losses)
-    assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
     assert [s for s, _ in run.val_losses] == [5, 10]
     for (_, a), (_, b) in zip(ref.val_losses, run.val_losses):
         assert abs(a - b) / a < 1e-5, (ref.val_losses, run.val_losses)
