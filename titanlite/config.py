@@ -182,6 +182,9 @@ class Data:
     up front; see docs/data.md for what order guarantees hold."""
     shuffle_buffer: int = 10000
     """Documents in the shuffle buffer of a streamed source."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample, and RoPE positions
+    restart at each document (as if each ran alone)."""
 
 
 @dataclass(frozen=True)
@@ -447,6 +450,9 @@ def _validate_data(d: Data, v: Validation) -> None:
     check_source(d.path)
     if d.streaming and not d.path:
         raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
+    if d.streaming and d.document_mask:
+        raise ConfigError("data.document_mask needs document boundaries, which data.streaming does not "
+                          "keep; turn one of them off")
     check_source(v.path, "validation.path")
     if d.shuffle_buffer < 1:
         raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")

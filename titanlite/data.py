@@ -75,9 +75,10 @@ class TokenSamples(Dataset):
     """Map-style: item g is global sample g (any epoch), sliced straight out of the stream."""
 
     def __init__(self, stream: TokenStream, seq_len: int, shuffle: bool, seed: int,
-                 source: tuple[int, ...] = ()) -> None:
+                 source: tuple[int, ...] = (), document_mask: bool = False) -> None:
         self.stream, self.seq_len, self.shuffle, self.seed = stream, seq_len, shuffle, seed
         self.source = source  # mixture members draw their own permutations
+        self.document_mask = document_mask
         self.num_samples = max(0, len(stream.tokens) - 1) // seq_len
         self._perm: tuple[int, np.ndarray] | None = None
 
@@ -98,7 +99,20 @@ class TokenSamples(Dataset):
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
         start = self.position(g) * self.seq_len
         s = torch.from_numpy(self.stream.tokens[start:start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": s[:-1], "labels": s[1:]}
+        sample = {"input_ids": s[:-1], "labels": s[1:]}
+        if self.document_mask:
+            sample.update(document_spans(self.stream.doc_starts, start, self.seq_len))
+        return sample
+
+
+def document_spans(doc_starts: np.ndarray, start: int, length: int) -> dict[str, torch.Tensor]:
+    """For stream[start : start + length]: which document each token is in (numbered from 0
+    within the sample) and its position in that document, counted from the sample start
+    for a document that began earlier (the part a sample holds is all that attends)."""
+    idx = np.arange(start, start + length)
+    doc = np.searchsorted(doc_starts, idx, side="right") - 1
+    first = np.maximum(doc_starts[doc], start)  # doc_starts[0] == 0, so doc >= 0
+    return {"document_ids": torch.from_numpy(doc - doc[0]), "positions": torch.from_numpy(idx - first)}
 
 
 def mix_schedule(counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +206,7 @@ def _samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: 
              ) -> TokenSamples:
     stream = split_stream(token_stream(cfg.path, cfg.text_field, tokenizer, cfg.split),
                           cfg.holdout_fraction, split)
-    samples = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed, source)
+    samples = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed, source, cfg.document_mask)
     if source and samples.num_samples < 1:  # a single source gets the batch-size check instead
         raise ConfigError(f"data: no sample of seq_len {seq_len} fits in the {split} split of "
                           f"{source_name(cfg.path)} ({len(stream.tokens)} tokens); use more data "
@@ -229,7 +243,8 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
                      local_batch_size: int, dp_rank: int, dp_degree: int, split: str = "train"
                      ) -> StatefulDataLoader:
     """Infinite loader of this dp rank's micro-batches: {"input_ids", "labels"}, each a
-    LongTensor [local_batch_size, seq_len]. The trainer takes
+    LongTensor [local_batch_size, seq_len], and with data.document_mask also
+    {"document_ids", "positions"} of the input tokens (see `document_spans`). The trainer takes
     global_batch_size // (local_batch_size * dp_degree) of them per optimizer step.
     `loader.dataset.epoch(g)` is the epoch count at global sample g."""
     G, L, D = global_batch_size, local_batch_size, dp_degree

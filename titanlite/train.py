@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite import config
+from titanlite import config, context_parallel
 from titanlite.attention import AttnContext
 from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
@@ -50,9 +50,12 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
-    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % dims.tp:
+    context_parallel.validate(cfg.training.seq_len, dims.cp)
+    # sequence parallel splits each rank's (context-parallel) share of the sequence over tp
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % (dims.tp * dims.cp):
+        cp = f" x context_parallel_degree {dims.cp}" if dims.cp > 1 else ""
         raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
-                          f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
+                          f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -107,6 +110,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     loss_group = meshes.dp_cp.get_group()
+    cp_group = meshes.cp.get_group() if dims.cp > 1 else None
+    cp_rank = meshes.cp.get_local_rank()
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=param_dtype)
                 if param_dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
@@ -135,13 +140,15 @@ def train(cfg: JobConfig, plan: Plan) -> None:
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a loader micro-batch, on the device (training and validation)."""
-        return {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) for k, v in batch.items()}
+        return context_parallel.shard_batch(batch, cp_rank, dims.cp) if cp_group is not None else batch
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Cross-entropy summed over the target tokens of a prepared micro-batch.
         Call inside loss_context(): loss parallel must also cover the backward."""
+        ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), cp_group, param_dtype)
         with autocast:
-            logits = model(batch["input_ids"], AttnContext())
+            logits = model(batch["input_ids"], ctx)
         return cross_entropy_sum(logits, batch["labels"])
 
     def eval_loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -153,6 +160,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
 
     for step in range(start_step + 1, t.steps + 1):
         batches = [prepare(next(data_iter)) for _ in range(accum)]
+        # local (cp-sharded) labels: the all-reduce over dp_cp makes the global count
         n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
