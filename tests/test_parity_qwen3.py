@@ -10,6 +10,9 @@ QWEN3 = [*TINY, "--model.name", "qwen3", "--training.global_batch_size", "4"]
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "2"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_cp2_tp2": (8, ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
+                          "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
