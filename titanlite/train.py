@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,15 +20,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlite import config
+from titanlite import config, fault
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader
 from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.fault import Guard, RunError, enable_flight_recorder
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 
 IGNORE_INDEX = -100
@@ -55,11 +58,27 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
     t = cfg.training
+    if t.device == "cuda":
+        pick_device("cuda")
+    check_writable(cfg.job.dump_folder)
     gbs = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     return Plan(dims, spec, args, tokenizer, gbs)
+
+
+def check_writable(folder: str) -> None:
+    """Refuse a dump folder that cannot be created or written, before any rank starts."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder: cannot write to '{folder}' ({e.strerror}); "
+                          "pick a writable folder") from None
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -71,6 +90,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def train(cfg: JobConfig, plan: Plan) -> None:
     t = cfg.training
     device = pick_device(t.device)
+    enable_flight_recorder(cfg.job.dump_folder)
     init_process_group(device, cfg.comm.init_timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(t.seed)
@@ -112,8 +132,12 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     data_iter = iter(loader)
     start = last_log = time.perf_counter()
     last_log_step = 0
+    guard = Guard(rank, cfg.job.dump_folder, device, cfg.comm, t, cfg.job.shutdown_timeout_s)
+    profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
     for step in range(1, t.steps + 1):
+        guard.start_step(step)
+        profiler.step_begin(step)
         batches = [next(data_iter) for _ in range(accum)]
         n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
         dist.all_reduce(n_targets, group=loss_group)
@@ -122,17 +146,20 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
             with autocast:
                 logits = model(inputs, AttnContext())
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            loss = guard.inject_loss(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     reduction="sum", ignore_index=IGNORE_INDEX))
             (loss / n_targets).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        stop, skip = guard.end_step(loss_sum, grad_norm)
+        if not skip:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        profiler.step_end(step)
 
-        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or stop:
             dist.all_reduce(loss_sum, group=loss_group)
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
@@ -140,14 +167,19 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / step * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device)}, eta)
+                               "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped}, eta)
             last_log, last_log_step = now, step
+        if stop:
+            if rank == 0:
+                print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
+            break
 
+    guard.close()
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
-    (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+    (done / f"rank-{rank}.done").write_text(json.dumps({"step": step, "signal": guard.signal_name}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,6 +199,14 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
         print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:
+        err = e if isinstance(e, RunError) else fault.as_run_error(e)
+        if err is None:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
+        print(f"titanlite: error: {err}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
+        # no process-group teardown: with a peer dead or diverged it can hang or abort
+        os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
