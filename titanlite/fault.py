@@ -109,7 +109,7 @@ class Guard:
         if self.rank == 0:
             print(f"titanlite: {name} received; finishing step {self.step} and stopping", flush=True)
         with self._lock:
-            self._set_deadline(self.shutdown_timeout_s, f"shutdown after {name} (job.shutdown_timeout_s)")
+            self._set_deadline(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
 
     def arm(self, seconds: float, what: str) -> None:
         """Exit with a hang report unless the next arm() comes within `seconds`. Once a stop
@@ -119,15 +119,15 @@ class Guard:
                 self._set_deadline(seconds, what)
 
     def _set_deadline(self, seconds: float, what: str) -> None:
-        self._deadline, self._what = time.monotonic() + seconds, f"{what} exceeded {seconds:g} s"
+        self._deadline, self._what = time.monotonic() + seconds, f"{what} ({seconds:g} s)"
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
             with self._lock:
                 expired, what = time.monotonic() > self._deadline, self._what
             if expired:
-                path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: {what}")
-                print(f"titanlite: error: step {self.step}: {what} on rank {self.rank} (a peer rank may be "
+                path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
+                print(f"titanlite: error: step {self.step}: exceeded {what} on rank {self.rank} (a peer rank may be "
                       f"hung or dead); stacks written to {path}", file=sys.stderr, flush=True)
                 os._exit(HANG_EXIT_CODE)
 
@@ -143,9 +143,10 @@ class Guard:
     def start_step(self, step: int) -> None:
         """Arm the watchdog for this step: the first also covers compilation and warm-up."""
         self.step = step
-        first = step == 1
-        self.arm(self.comm.init_timeout_s if first else self.comm.train_timeout_s,
-                 f"step {step}" + (" (comm.init_timeout_s)" if first else " (comm.train_timeout_s)"))
+        if step == 1:
+            self.arm(self.comm.init_timeout_s, "comm.init_timeout_s")
+        else:
+            self.arm(self.comm.train_timeout_s, "comm.train_timeout_s")
         if ("kill", step, self.rank) in self.faults or ("kill", step, None) in self.faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if ("hang", step, self.rank) in self.faults or ("hang", step, None) in self.faults:

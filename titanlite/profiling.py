@@ -41,8 +41,10 @@ class Profiler:
         if self.cfg.enable and step == self.cfg.start_step - warmup:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._prof = profile(activities=activities, record_shapes=True, profile_memory=True,
-                                 schedule=schedule(wait=0, warmup=warmup, active=self.cfg.num_steps, repeat=1),
+                                 schedule=schedule(skip_first=step, wait=0, warmup=warmup,
+                                                   active=self.cfg.num_steps, repeat=1),
                                  on_trace_ready=self._write_trace)
+            self._prof.step_num = step  # so ProfilerStep#N in the trace is training step N
             self._prof.start()
 
     def step_end(self, step: int) -> None:
