@@ -103,8 +103,12 @@ class Guard:
     def _on_signal(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            print(f"titanlite: second {name} on rank {self.rank}; exiting now", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
+            # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
+            if self.signal_name == name == "SIGINT":
+                print(f"titanlite: second SIGINT on rank {self.rank}; exiting now", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            return
         self.signal_name = name
         if self.rank == 0:
             print(f"titanlite: {name} received; finishing step {self.step} and stopping", flush=True)
