@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +74,8 @@ def check_writable(folder: str) -> None:
     path = Path(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
     except OSError as e:
         raise ConfigError(f"job.dump_folder: cannot write to '{folder}' ({e.strerror}); "
                           "pick a writable folder") from None
