@@ -80,13 +80,15 @@ _active: Guard | None = None
 class Guard:
     """Signals, the step watchdog and the per-step agreement for one rank."""
 
-    def __init__(self, rank: int, dump_folder: str, device: torch.device, comm: Comm, training: Training,
-                 shutdown_timeout_s: int) -> None:
-        self.rank, self.device, self.comm, self.training = rank, device, comm, training
+    def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
+                 start_step: int = 0) -> None:
+        self.rank, self.comm, self.training = rank, comm, training
         self.shutdown_timeout_s = shutdown_timeout_s
         self.hang_folder = Path(dump_folder) / "hang"
         self.faults = parse_faults(os.environ.get("TITANLITE_FAULTS", ""))
-        self.step = 0
+        self.step = start_step
+        """The step running now, or the last one completed."""
+        self.first_step = start_step + 1
         self.skipped = 0
         self.signal_name: str | None = None
         self._deadline = float("inf")
@@ -145,9 +147,9 @@ class Guard:
 
     # -- the step -------------------------------------------------------------------
     def start_step(self, step: int) -> None:
-        """Arm the watchdog for this step: the first also covers compilation and warm-up."""
+        """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.step = step
-        if step == 1:
+        if step == self.first_step:
             self.arm(self.comm.init_timeout_s, "comm.init_timeout_s")
         else:
             self.arm(self.comm.train_timeout_s, "comm.train_timeout_s")
@@ -155,6 +157,10 @@ class Guard:
             os.kill(os.getpid(), signal.SIGKILL)
         if ("hang", step, self.rank) in self.faults or ("hang", step, None) in self.faults:
             threading.Event().wait()
+
+    def start_save(self) -> None:
+        """A checkpoint save may follow: it gets the generous deadline of the first step."""
+        self.arm(self.comm.init_timeout_s, "comm.init_timeout_s (checkpoint save)")
 
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if ("nan", self.step, self.rank) in self.faults or ("nan", self.step, None) in self.faults:

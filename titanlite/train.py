@@ -132,7 +132,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     data_iter = iter(loader)
     start = last_log = time.perf_counter()
     last_log_step = 0
-    guard = Guard(rank, cfg.job.dump_folder, device, cfg.comm, t, cfg.job.shutdown_timeout_s)
+    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
     for step in range(1, t.steps + 1):
