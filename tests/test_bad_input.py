@@ -117,6 +117,12 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "tokenizer_is_file": (["--data.tokenizer", f["a_file.txt"]], {}, "is neither 'byte' nor a folder"),
         "tokenizer_corrupt": (["--data.tokenizer", f["bad_tok"]], {}, f"data.tokenizer: cannot load '{f['bad_tok']}'"),
         "dump_folder_is_file": (["--job.dump_folder", f["a_file.txt"]], {}, "job.dump_folder: cannot write to"),
+        "checkpoint_initial_missing": (["--checkpoint.initial_load_path", f["a_file.txt"] + ".gone"], {},
+                                       "checkpoint.initial_load_path: '"),
+        "checkpoint_folder_absolute": (["--checkpoint.folder", "/tmp"], {},
+                                       "checkpoint.folder: '/tmp' must be a relative path inside job.dump_folder"),
+        "checkpoint_folder_escapes": (["--checkpoint.folder", "../elsewhere"], {}, "checkpoint.folder: '../elsewhere'"),
+        "checkpoint_on_save_error": (["--checkpoint.on_save_error", "retry"], {}, "checkpoint.on_save_error: 'retry'"),
         "dump_folder_under_file": (["--job.dump_folder", f["a_file.txt"] + "/out"], {}, "job.dump_folder: cannot write to"),
     }
 

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harness import REPO, TINY, _env, launch
+import torch
+from harness import REPO, TINY, _env, launch, train
+
+from titanlite.checkpoint import load_tensors
 
 LIMIT_S = 120
 
@@ -157,8 +160,9 @@ def test_sigterm_to_the_launcher_stops_every_worker_cleanly(tmp_path):
 
 # -- dead and hung ranks ------------------------------------------------------------------
 
-def test_dead_rank_survivor_exits_with_a_message(tmp_path):
-    args = [*TINY, "--training.steps", "50", "--comm.train_timeout_s", "30", "--comm.init_timeout_s", "60"]
+def test_dead_rank_survivor_exits_with_a_message_and_the_restart_resumes(tmp_path):
+    args = [*TINY, "--comm.train_timeout_s", "30", "--comm.init_timeout_s", "60",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     ranks = spawn(2, args, tmp_path, faults="kill@4:1")
     start = time.monotonic()
     codes = ranks.wait()
@@ -168,6 +172,11 @@ def test_dead_rank_survivor_exits_with_a_message(tmp_path):
     # gloo sees the closed connection at once; the watchdog is the fallback for silent peers
     assert "step 4:" in err and ("a peer rank probably died" in err or "exceeded comm.train_timeout_s" in err), err
     assert (tmp_path / "hang" / "rank-0.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+    again = spawn(2, args, tmp_path)
+    assert again.wait() == [0, 0], again.log(0)
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-2'}" in again.log(0)
+    assert again.done(0)["step"] == 10
 
 
 def test_hang_dumps_every_rank_stack_and_exits(tmp_path):
@@ -204,3 +213,74 @@ def test_profiler_writes_a_trace_for_the_window(tmp_path):
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     assert "memory_snapshot needs CUDA" in run.output
     assert all(r["peak_gib"] > 0 for r in run.metrics)  # CPU peak RSS stands in for CUDA memory
+
+
+# -- with checkpoints -------------------------------------------------------------------
+
+CKPT = ["--checkpoint.enable", "true"]
+
+
+def _steps_saved(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoint").iterdir())
+
+
+def test_sigterm_saves_and_the_restart_matches_an_uninterrupted_run(tmp_path):
+    args = [*TINY, *CKPT, "--training.steps", "30", "--checkpoint.interval", "1000"]
+    ranks = spawn(2, args, tmp_path)
+    deadline = time.monotonic() + LIMIT_S
+    while not any(m["step"] >= 3 for m in ranks.metrics()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.log(0)
+        time.sleep(0.05)
+    ranks.procs[1].send_signal(signal.SIGTERM)
+    assert ranks.wait() == [0, 0], [ranks.log(0), ranks.log(1)]
+    stopped = ranks.done(0)["step"]
+    assert ranks.done(1)["step"] == stopped < 30
+    assert _steps_saved(tmp_path) == [f"step-{stopped}"]  # saved on the way out, off the interval
+    again = spawn(2, args, tmp_path)
+    assert again.wait() == [0, 0], again.log(0)
+    assert f"resumed from {tmp_path / 'checkpoint' / f'step-{stopped}'}" in again.log(0)
+    straight = train(2, args, dump=tmp_path / "straight")
+    resumed = {m["step"]: m["loss"] for m in again.metrics()}  # later rows win: the restart's
+    assert resumed[30] == straight.metrics[-1]["loss"]  # bitwise: resume is exact on CPU
+    assert [resumed[s] for s in range(stopped + 1, 31)] == straight.losses[stopped:]
+
+
+def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path):
+    args = [*TINY, *CKPT, "--checkpoint.interval", "2"]
+    run = launch(1, args, dump=tmp_path, env={"TITANLITE_FAULTS": "nan@5"}, timeout=LIMIT_S)
+    assert run.returncode == 1 and "step 5: non-finite loss" in run.output
+    assert _steps_saved(tmp_path) == ["step-2", "step-4"]
+    again = launch(1, args, dump=tmp_path, timeout=LIMIT_S)
+    assert again.returncode == 0 and f"resumed from {tmp_path / 'checkpoint' / 'step-4'}" in again.output
+
+
+def _small_tmpfs(path: Path, size: str) -> None:
+    """A real filesystem that fills up: needs root with mount rights."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs a small tmpfs (root with mount rights)")
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, policy):
+    # a 3.2M-parameter model with AdamW takes ~39 MB a checkpoint: one fits in 60 MB, two do not
+    folder = tmp_path / "checkpoint"
+    _small_tmpfs(folder, "60m")
+    try:
+        args = [*TINY, *CKPT, "--training.steps", "6", "--checkpoint.interval", "2",
+                "--checkpoint.on_save_error", policy]
+        run = launch(1, args, dump=tmp_path, timeout=LIMIT_S)
+        saved = _steps_saved(tmp_path)
+        intact = load_tensors(folder / "step-2")
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    errors = [line for line in run.output.splitlines() if "titanlite: error:" in line or "warning: checkpoint" in line]
+    assert errors and f"saving {folder / 'step-4'} failed" in errors[0] and " 0 MiB free in " in errors[0]
+    assert f"previous checkpoint {folder / 'step-2'} is intact" in errors[0]
+    assert saved == ["step-2"]  # no half-written step-4 or step-4.tmp
+    assert intact and all(torch.isfinite(v).all() for v in intact.values() if v.is_floating_point())
+    if policy == "stop":
+        assert run.returncode == 1 and run.metrics[-1]["step"] == 3  # step 4 ends in its save, before its log
+    else:
+        assert run.returncode == 0 and run.metrics[-1]["step"] == 6

@@ -122,6 +122,32 @@ class LRScheduler:
 class Checkpoint:
     enable: bool = False
     """Save and resume distributed checkpoints."""
+    folder: str = "checkpoint"
+    """Checkpoint folder under job.dump_folder; each save is a step-N subfolder."""
+    interval: int = 500
+    """Save every N optimizer steps; the final step is always saved."""
+    keep_latest_k: int = 0
+    """Keep only the newest K complete checkpoints; 0 keeps all."""
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1 means the latest complete one."""
+    async_mode: str = "disabled"
+    """disabled (block until written) or async (write in a background thread; training
+    waits only for the in-memory copy before the next optimizer step)."""
+    initial_load_path: str = ""
+    """Weights to start from when the checkpoint folder has no checkpoint yet (model only;
+    optimizer, schedule and data start fresh)."""
+    initial_load_format: str = "dcp"
+    """Format of initial_load_path: dcp (a titanlite checkpoint folder) or hf (a folder with
+    config.json and safetensors written by transformers)."""
+    create_seed_checkpoint: bool = False
+    """Write the initial weights as step-0 (model only) on one process and exit; any layout
+    that starts from it gets the same weights."""
+    export_dtype: str = ""
+    """If set (float32, bfloat16 or float16), the last step also writes a model-only copy in
+    this dtype to <folder>/export-step-N for inference."""
+    on_save_error: str = "stop"
+    """A save that fails (full disk, unwritable folder): stop (exit 1) or continue training
+    without it. Either way the previous checkpoint is kept and the partial one removed."""
 
 
 @dataclass(frozen=True)
@@ -402,8 +428,18 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"data.path: '{cfg.data.path}' does not exist")
     if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is neither 'byte' nor a folder")
-    if cfg.checkpoint.enable:
-        raise ConfigError("checkpoint.enable: checkpointing is not available in this version")
+    c = cfg.checkpoint
+    if c.interval < 1 or c.keep_latest_k < 0 or c.load_step < -1:
+        raise ConfigError(f"checkpoint: need interval >= 1 (got {c.interval}), keep_latest_k >= 0 "
+                          f"(got {c.keep_latest_k}) and load_step >= -1 (got {c.load_step})")
+    if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
+        raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
+    _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
+    _choice("checkpoint.on_save_error", c.on_save_error, ("stop", "continue"))
+    _choice("checkpoint.initial_load_format", c.initial_load_format, ("dcp", "hf"))
+    _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
+    if c.initial_load_path and not Path(c.initial_load_path).is_dir():
+        raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -217,5 +217,8 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
     with warnings.catch_warnings():
         # torchdata 0.11 calls an API that newer torch deprecates; nothing a user can act on.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        # Its own generator: iter() would otherwise draw worker seeds from the global RNG,
+        # which a resumed run (one more iter() call) could then not reproduce bitwise.
         return StatefulDataLoader(dataset, batch_sampler=GlobalBatchSampler(G, L, dp_rank, D),
-                                  num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+                                  num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
+                                  generator=torch.Generator().manual_seed(max(cfg.seed, 0)))

@@ -28,7 +28,7 @@ class ModelSpec:
     validate: Callable[[Any, Any], None] = lambda args, dims: None
     """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model."""
     hf: Any = None
-    """Hugging Face state-dict adapter, if the family has one."""
+    """titanlite.hf_io.HFAdapter mapping weights and config to transformers, if the family has one."""
 
 
 def available() -> list[str]:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from titanlite import config, fault
 from titanlite.attention import AttnContext
+from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader
 from titanlite.dist import ParallelDims, init_process_group, pick_device
@@ -55,6 +56,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
+                          "launch it without torchrun or with --nproc_per_node=1")
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -121,6 +125,15 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     autocast = (torch.autocast(device.type, dtype=param_dtype)
                 if param_dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
 
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model=model, optimizer=optimizer,
+                             scheduler=scheduler, loader=loader, data=cfg.data, seq_len=t.seq_len,
+                             global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
+                             final_step=t.steps)
+    if cfg.checkpoint.create_seed_checkpoint:
+        ckpt.save_seed()
+        return
+    start_step = ckpt.maybe_load()
+
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
@@ -131,11 +144,11 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     peak_flops = device_peak_flops(device)
     data_iter = iter(loader)
     start = last_log = time.perf_counter()
-    last_log_step = 0
-    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s)
+    last_log_step = start_step
+    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         guard.start_step(step)
         profiler.step_begin(step)
         batches = [next(data_iter) for _ in range(accum)]
@@ -153,18 +166,21 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
         lr = scheduler.get_last_lr()[0]
         stop, skip = guard.end_step(loss_sum, grad_norm)
+        ckpt.wait_for_staging()
         if not skip:
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         profiler.step_end(step)
+        guard.start_save()
+        ckpt.maybe_save(step, force=stop)
 
         if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or stop:
             dist.all_reduce(loss_sum, group=loss_group)
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
             mfu = None if peak_flops is None else 100 * tokens_per_sec * flops_per_token / peak_flops
-            eta = (now - start) / step * (t.steps - step)
+            eta = (now - start) / (step - start_step) * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped}, eta)
@@ -174,12 +190,13 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                 print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
             break
 
+    ckpt.close()
     guard.close()
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
-    (done / f"rank-{rank}.done").write_text(json.dumps({"step": step, "signal": guard.signal_name}))
+    (done / f"rank-{rank}.done").write_text(json.dumps({"step": guard.step, "signal": guard.signal_name}))
 
 
 def main(argv: list[str] | None = None) -> None:

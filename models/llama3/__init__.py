@@ -2,6 +2,7 @@
 
 from titanlite.model_spec import ModelSpec
 
+from .hf import ADAPTER
 from .model import ModelArgs, Transformer
 from .parallelize import parallelize, validate
 
@@ -31,4 +32,4 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 
 SPEC = ModelSpec(name="llama3", flavors=flavors, build=Transformer, parallelize=parallelize,
-                 flops_per_token=flops_per_token, validate=validate)
+                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER)

@@ -1,0 +1,45 @@
+"""The real trainer with one checkpoint test hook, picked by TITANLITE_TEST_HOOK.
+
+resave          right after loading, write what was loaded to <dump>/checkpoint-resaved/step-N
+                and train on, so a test can compare it tensor by tensor with the source.
+kill_at_step=N  SIGKILL this process in the middle of saving step N: every data file is
+                written, the metadata and the commit are not.
+"""
+
+import os
+import signal
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from titanlite import train
+from titanlite.checkpoint import CheckpointManager
+
+HOOK = os.environ.get("TITANLITE_TEST_HOOK", "")
+
+if HOOK == "resave":
+    _load = CheckpointManager.maybe_load
+
+    def _load_and_resave(self: CheckpointManager) -> int:
+        step = _load(self)
+        root, self.root = self.root, self.root.parent / "checkpoint-resaved"
+        self._save(step)
+        self._finish_pending(block=True)
+        self.root = root
+        return step
+
+    CheckpointManager.maybe_load = _load_and_resave
+elif HOOK.startswith("kill_at_step="):
+    _finish = FileSystemWriter.finish
+    _doomed = f"step-{HOOK.split('=')[1]}.tmp"
+
+    def _finish_or_die(self: FileSystemWriter, *args, **kwargs):
+        if str(self.path).endswith(_doomed):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _finish(self, *args, **kwargs)
+
+    FileSystemWriter.finish = _finish_or_die
+elif HOOK:
+    raise SystemExit(f"unknown TITANLITE_TEST_HOOK '{HOOK}'")
+
+if __name__ == "__main__":
+    train.main()

@@ -1,0 +1,197 @@
+"""Checkpointing through the real trainer: exact resume, atomic saves, resharding, seed and export.
+
+Jobs keep the LR constant after warm-up (decay_ratio 0), so a 10-step job follows the same
+schedule as the first half of a 20-step one and "train 10, exit, train 10 more" is the
+same job as "train 20". Every layout uses the same global batch of 8 samples.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, TINY, assert_parity, launch, train
+
+from titanlite import config
+from titanlite.checkpoint import _Data, load_tensors
+from titanlite.config import ConfigError, Data
+from titanlite.data import build_dataloader
+from titanlite.tokenizer import build_tokenizer
+from titanlite.train import preflight
+
+BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
+        "--checkpoint.enable", "--checkpoint.interval", "10"]
+HOOKS = "tests.ckpt_hooks"
+
+
+def job(nproc: int, steps: int, *extra: str) -> list[str]:
+    return [*BASE, "--training.local_batch_size", str(8 // nproc), "--training.steps", str(steps), *extra]
+
+
+def hooked(nproc: int, args: list[str], dump: Path, hook: str):
+    return train(nproc, args, dump=dump, env={"TITANLITE_TEST_HOOK": hook}, module=HOOKS)
+
+
+def assert_same_tensors(a: Path, b: Path, prefix: str = "") -> None:
+    x, y = load_tensors(a, prefix), load_tensors(b, prefix)
+    assert x.keys() == y.keys(), sorted(set(x) ^ set(y))
+    different = [k for k in x if not torch.equal(x[k], y[k])]
+    assert not different, f"{a} vs {b} differ in {different[:5]}"
+    assert any(k.startswith("optimizer.state") for k in x) or prefix == "model."
+
+
+def losses_by_step(dump: Path) -> dict[int, float]:
+    """The last logged loss of each step (a resumed run logs after the killed one)."""
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def straight1(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("straight1")
+    train(1, job(1, 20, "--checkpoint.export_dtype", "bfloat16"), dump=dump)
+    return dump
+
+
+@pytest.fixture(scope="module")
+def straight2(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("straight2")
+    train(2, job(2, 20), dump=dump)
+    return dump
+
+
+@pytest.fixture(scope="module")
+def async2(tmp_path_factory):
+    """2 ranks, async saves: 10 steps, exit, then 10 more."""
+    dump = tmp_path_factory.mktemp("async2")
+    train(2, job(2, 10, "--checkpoint.async_mode", "async"), dump=dump)
+    second = train(2, job(2, 20, "--checkpoint.async_mode", "async"), dump=dump)
+    assert "resumed from" in second.output
+    return dump
+
+
+def test_resume_is_bitwise_on_one_rank(straight1, tmp_path):
+    train(1, job(1, 10), dump=tmp_path)
+    assert (tmp_path / "checkpoint" / "step-10").is_dir()
+    second = train(1, job(1, 20), dump=tmp_path)
+    assert "resumed from" in second.output and [r["step"] for r in second.metrics] == list(range(1, 21))
+    assert second.losses == train_losses(straight1)
+    assert_same_tensors(straight1 / "checkpoint" / "step-20", tmp_path / "checkpoint" / "step-20")
+
+
+def train_losses(dump: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_resume_is_bitwise_on_two_ranks(straight2, async2):
+    assert train_losses(async2) == train_losses(straight2)
+    for step in (10, 20):
+        assert_same_tensors(straight2 / "checkpoint" / f"step-{step}", async2 / "checkpoint" / f"step-{step}")
+
+
+def _tp_landed() -> bool:
+    return "parallelize_module" in (REPO / "models" / "llama3" / "parallelize.py").read_text()
+
+
+@pytest.mark.parametrize("layout", ["fsdp4", "one_process", "tp2"])
+def test_reshard_loads_identical_state_and_continues_the_stream(layout, straight2, async2, tmp_path):
+    """A 2-rank FSDP checkpoint (step 10) loads on another layout: what was loaded, saved
+    again, is tensor-for-tensor the original, and steps 11-20 match the uninterrupted run."""
+    if layout == "tp2" and not _tp_landed():
+        pytest.skip("tensor parallelism has not landed in this branch yet")
+    # one_process also finds the newer step-20 and must still obey load_step (then re-save step 20)
+    nproc, extra = {"fsdp4": (4, []), "one_process": (1, ["--checkpoint.load_step", "10"]),
+                    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"])}[layout]
+    shutil.copytree(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    if layout == "one_process":
+        shutil.copytree(async2 / "checkpoint" / "step-20", tmp_path / "checkpoint" / "step-20")
+    run = hooked(nproc, job(nproc, 20, *extra), tmp_path, "resave")
+    assert_same_tensors(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint-resaved" / "step-10")
+    assert [r["step"] for r in run.metrics] == list(range(11, 21))
+    assert_parity(train_losses(straight2)[10:], run.losses)
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(straight1, tmp_path):
+    ckpt = tmp_path / "checkpoint"
+    killed = launch(1, job(1, 10, "--checkpoint.interval", "5"), dump=tmp_path,
+                    env={"TITANLITE_TEST_HOOK": "kill_at_step=10"}, module=HOOKS)
+    assert killed.returncode != 0 and not (tmp_path / "status" / "rank-0.done").exists()
+    assert (ckpt / "step-5").is_dir() and (ckpt / "step-10.tmp").is_dir() and not (ckpt / "step-10").exists()
+    assert any((ckpt / "step-10.tmp").glob("*.distcp"))  # the kill came mid-save, after data was written
+    # a newer folder that is no checkpoint at all must be skipped too
+    (ckpt / "step-7").mkdir()
+    (ckpt / "step-7" / ".metadata").write_bytes(b"not a checkpoint")
+    resumed = train(1, job(1, 20, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2"), dump=tmp_path)
+    assert "removing" in resumed.output and "step-10.tmp" in resumed.output
+    assert "skipping checkpoint" in resumed.output and "step-7" in resumed.output
+    assert "resumed from" in resumed.output and "step-5 " in resumed.output
+    ref = train_losses(straight1)
+    got = losses_by_step(tmp_path)
+    assert [got[s] for s in range(6, 21)] == ref[5:]
+    assert_same_tensors(straight1 / "checkpoint" / "step-20", ckpt / "step-20")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-15", "step-20"]  # keep_latest_k 2
+
+
+def test_export_writes_bf16_model_only(straight1):
+    export = straight1 / "checkpoint" / "export-step-20"
+    info = json.loads((export / "titanlite.json").read_text())
+    assert info["model_only"] and info["dtype"] == "bfloat16"
+    got, full = load_tensors(export, ""), load_tensors(straight1 / "checkpoint" / "step-20", "model.")
+    assert all(k.startswith("model.") for k in got)
+    assert {k[6:] for k in got} == set(full)
+    assert all(got["model." + k].dtype == torch.bfloat16 and torch.equal(got["model." + k], v.bfloat16())
+               for k, v in full.items())
+
+
+def test_seed_checkpoint_gives_the_same_weights_on_any_layout(straight2, tmp_path):
+    seed_run = launch(1, job(1, 10, "--checkpoint.create_seed_checkpoint", "--training.seed", "1"), dump=tmp_path)
+    seed = tmp_path / "checkpoint" / "step-0"
+    assert seed.is_dir(), seed_run.output[-3000:]
+    assert json.loads((seed / "titanlite.json").read_text())["model_only"]
+    assert not any(k.startswith("optimizer") for k in load_tensors(seed, ""))
+    run = hooked(2, job(2, 10), tmp_path, "resave")  # training.seed 0: weights must come from the seed
+    assert "initial weights from" in run.output
+    assert_same_tensors(seed, tmp_path / "checkpoint-resaved" / "step-0", "model.")
+    assert run.losses[0] != train_losses(straight2)[0]  # seed 1 weights differ from seed 0's
+
+
+def test_shape_mismatch_is_one_clear_error(straight1, tmp_path):
+    shutil.copytree(straight1 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    run = launch(1, job(1, 20, "--model.vocab_size", "1024"), dump=tmp_path)
+    assert run.returncode != 0
+    assert "titanlite: error:" in run.output and "'tok_embeddings.weight' has shape (512, 256)" in run.output
+    assert "model's is (1024, 256)" in run.output
+    assert "titanlite/checkpoint.py" not in run.output  # one line, no traceback from our code
+
+
+def test_seed_checkpoint_needs_one_process():
+    cfg, _ = config.load([*job(2, 10), "--checkpoint.create_seed_checkpoint"])
+    with pytest.raises(ConfigError, match="create_seed_checkpoint runs on one process"):
+        preflight(cfg, 2)
+
+
+def test_data_cursor_refuses_what_cannot_be_remapped():
+    loader = build_dataloader(Data(), build_tokenizer("byte"), seq_len=64, global_batch_size=8,
+                              local_batch_size=4, dp_rank=0, dp_degree=2)
+    saved = _Data(loader, Data(), 64, 8).state_dict()
+    with pytest.raises(ConfigError, match="data order differs in seed"):
+        _Data(loader, Data(seed=3), 64, 8).load_state_dict(saved)
+    with pytest.raises(ConfigError, match="data order differs in seq_len"):
+        _Data(loader, Data(), 32, 8).load_state_dict(saved)
+    with pytest.raises(ConfigError, match="consumed 24 samples, not a multiple of training.global_batch_size 16"):
+        _Data(loader, Data(), 64, 16).load_state_dict({**saved, "samples_seen": 24})
+    # a different global batch that divides the samples seen maps exactly
+    cursor = _Data(loader, Data(), 64, 16)
+    cursor.load_state_dict({**saved, "samples_seen": 32})
+    assert loader.batch_sampler.state_dict() == {"global_batch": 2, "micro_batch": 0}
+
+
+def test_config_rejects_bad_checkpoint_fields():
+    for args, match in [(["--checkpoint.async_mode", "sometimes"], "async_mode"),
+                        (["--checkpoint.initial_load_format", "gguf"], "initial_load_format"),
+                        (["--checkpoint.interval", "0"], "interval"),
+                        (["--checkpoint.initial_load_path", "/nonexistent"], "initial_load_path"),
+                        (["--checkpoint.export_dtype", "int8"], "export_dtype")]:
+        with pytest.raises(ConfigError, match=match):
+            config.load(args)

@@ -1,0 +1,158 @@
+"""Hugging Face interop: the Llama 3 mapping, the converter, and numerics against transformers (fp32).
+
+Tiny random LlamaForCausalLM models cover GQA, tied embeddings and Llama 3.1 RoPE scaling
+(with a short original context so all three frequency bands of the scaling are exercised).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from models.llama3 import SPEC
+from models.llama3.model import ModelArgs, Transformer
+from titanlite.checkpoint import load_tensors, write_model_checkpoint
+from titanlite.config import ConfigError
+from titanlite.convert import main as convert_main
+from titanlite.hf_io import check_hf_config, read_config, read_safetensors
+
+ADAPTER = SPEC.hf
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+CONFIGS = {
+    "gqa_rope_scaling": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+                             num_key_value_heads=2, vocab_size=96, rope_scaling=SCALING, rope_theta=10000.0,
+                             tie_word_embeddings=False),
+    "tied_mha": dict(hidden_size=48, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=80, rope_theta=500000.0, tie_word_embeddings=True),
+}
+TOKENS = torch.randint(0, 80, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def hf_model(name: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # non-trivial norm weights, so a swapped norm mapping shows
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def titanlite_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None) -> Transformer:
+    model = Transformer(args)
+    model.init_weights(torch.Generator().manual_seed(0))  # also fills the RoPE tables
+    if state_dict is not None:
+        model.load_state_dict(state_dict, strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_import_matches_transformers_logits(name, tmp_path):
+    hf = hf_model(name)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards plus an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    args = ADAPTER.args_from_hf(read_config(tmp_path))
+    assert (args.n_kv_heads, args.tie_embeddings) == (CONFIGS[name]["num_key_value_heads"],
+                                                      CONFIGS[name]["tie_word_embeddings"])
+    model = titanlite_model(args, ADAPTER.from_hf(read_safetensors(tmp_path), args))
+    with torch.no_grad():
+        ours, theirs = model(TOKENS), hf(TOKENS).logits
+    assert theirs.abs().max() > 1.0  # logits large enough that a wrong mapping cannot hide under 1e-5
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_export_reproduces_logits_in_transformers(name, tmp_path):
+    args = ADAPTER.args_from_hf(dict(CONFIGS[name], model_type="llama", max_position_embeddings=128,
+                                     rms_norm_eps=1e-5))
+    model = titanlite_model(args)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.normal_(0, 0.1) if not n.endswith("norm.weight") else p.uniform_(0.5, 1.5)
+    write_model_checkpoint(tmp_path / "step-0", model.state_dict(), "llama3", args)
+    convert_main(["dcp", "hf", str(tmp_path / "step-0"), str(tmp_path / "hf"), "--max-shard-gb", "0.00002"])
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float().eval()
+    assert hf.config.tie_word_embeddings == args.tie_embeddings
+    with torch.no_grad():
+        ours, theirs = model(TOKENS), hf(TOKENS).logits
+    assert ours.abs().max() > 1.0
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_convert_hf_to_dcp_and_torch(tmp_path):
+    hf = hf_model("gqa_rope_scaling")
+    hf.save_pretrained(tmp_path / "hf")
+    convert_main(["hf", "dcp", str(tmp_path / "hf"), str(tmp_path / "dcp")])
+    convert_main(["dcp", "torch", str(tmp_path / "dcp"), str(tmp_path / "model.pt"), "--dtype", "bfloat16"])
+    args = ADAPTER.args_from_hf(read_config(tmp_path / "hf"))
+    expected = ADAPTER.from_hf(read_safetensors(tmp_path / "hf"), args)
+    got = load_tensors(tmp_path / "dcp")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(saved[k].dtype == torch.bfloat16 and torch.equal(saved[k], expected[k].bfloat16()) for k in expected)
+    # and back: hf -> dcp -> hf gives the same safetensors
+    convert_main(["dcp", "hf", str(tmp_path / "dcp"), str(tmp_path / "hf2")])
+    a, b = read_safetensors(tmp_path / "hf"), read_safetensors(tmp_path / "hf2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_q_k_permutation_round_trips():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=32, multiple_of=32)
+    sd = {k: torch.randn(v.shape) for k, v in Transformer(args).state_dict().items()}
+    hf = ADAPTER.to_hf(sd, args)
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], sd["layers.0.attention.wq.weight"])
+    back = ADAPTER.from_hf(hf, args)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_unsupported_configs_and_bad_folders_are_clear_errors(tmp_path, capsys):
+    base = dict(CONFIGS["tied_mha"], model_type="llama")
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ADAPTER.args_from_hf(dict(base, attention_bias=True))
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        ADAPTER.args_from_hf(dict(base, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="no Llama 3 counterpart"):
+        ADAPTER.from_hf({"model.layers.0.self_attn.q_norm.weight": torch.ones(4)}, ADAPTER.args_from_hf(base))
+    with pytest.raises(SystemExit, match="no config.json"):
+        convert_main(["hf", "dcp", str(tmp_path), str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="not a readable DCP checkpoint|titanlite.json"):
+        convert_main(["dcp", "hf", str(tmp_path), str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="cannot convert hf to torch"):
+        convert_main(["hf", "torch", str(tmp_path), str(tmp_path / "x.pt")])
+
+
+def test_training_starts_from_a_transformers_folder(tmp_path):
+    """checkpoint.initial_load_format hf on 2 FSDP ranks: the sharded weights the trainer loaded,
+    saved again, are exactly the transformers weights mapped to titanlite."""
+    from harness import TINY, train
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=512, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      max_position_embeddings=8192, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    run = train(2, [*TINY, "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                    "--checkpoint.initial_load_format", "hf"],
+                dump=tmp_path / "run", env={"TITANLITE_TEST_HOOK": "resave"}, module="tests.ckpt_hooks")
+    assert "initial weights from" in run.output
+    args = ADAPTER.args_from_hf(cfg.to_dict())
+    expected = ADAPTER.from_hf(read_safetensors(tmp_path / "hf"), args)
+    got = load_tensors(tmp_path / "run" / "checkpoint-resaved" / "step-0")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_initial_load_refuses_a_different_architecture(tmp_path):
+    hf_model("gqa_rope_scaling").save_pretrained(tmp_path)
+    args = ADAPTER.args_from_hf(read_config(tmp_path))
+    check_hf_config(ADAPTER, tmp_path, dataclasses.replace(args, max_seq_len=64))  # context length may differ
+    with pytest.raises(ConfigError, match=r"vocab_size \(96 vs 128\)"):
+        check_hf_config(ADAPTER, tmp_path, dataclasses.replace(args, vocab_size=128))
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        check_hf_config(ADAPTER, tmp_path, dataclasses.replace(args, rope_scaling_factor=4.0))

@@ -1,0 +1,459 @@
+"""Distributed checkpoints: periodic saves, atomic commit, exact resume on any layout, initial weights.
+
+A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folder>/step-N with
+  model, optimizer  the sharded DTensors of get_state_dict, so any layout can load them
+  lr_scheduler      the LambdaLR counters
+  dataloader        samples consumed so far and what defines the sample order; the order
+                    is global (titanlite.data), so this cursor means the same on any layout
+  train_state       step and tokens seen
+  rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
+plus titanlite.json (model family and args, for titanlite.convert). It is written as
+step-N.tmp and renamed when whole: a folder named step-N is always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import shutil
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from titanlite.config import Checkpoint, ConfigError, Data
+from titanlite.fault import RunError
+from titanlite.hf_io import check_hf_config, read_safetensors
+from titanlite.model_spec import ModelSpec
+
+INFO = "titanlite.json"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _warn(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"titanlite: warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the pieces of a checkpoint, as DCP Stateful objects -------------------------------
+
+class _Model:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, sd)
+
+
+class _Optimizer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, sd)
+
+
+class _Scheduler:
+    """LambdaLR's counters; the lambda itself is rebuilt from the config."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **sd})
+
+
+class _Data:
+    """The global sample cursor. Layout-free, so it is the same on every rank."""
+
+    def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
+        self.loader, self.global_batch_size = loader, global_batch_size
+        self.order = json.dumps({"path": cfg.path, "text_field": cfg.text_field, "tokenizer": cfg.tokenizer,
+                                 "shuffle": cfg.shuffle, "seed": cfg.seed,
+                                 "holdout_fraction": cfg.holdout_fraction, "seq_len": seq_len}, sort_keys=True)
+        self.samples_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_seen": self.samples_seen, "order": self.order}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["order"] != self.order:
+            saved, now = json.loads(sd["order"]), json.loads(self.order)
+            keys = [k for k in now if saved.get(k) != now[k]]
+            raise ConfigError(f"the checkpoint's data order differs in {', '.join(keys)} (saved "
+                              f"{', '.join(f'{k}={saved.get(k)!r}' for k in keys)}); resuming would "
+                              "repeat or skip samples. Restore those settings or start a new dump_folder")
+        if sd["samples_seen"] % self.global_batch_size:
+            raise ConfigError(f"the checkpoint consumed {sd['samples_seen']} samples, not a multiple of "
+                              f"training.global_batch_size {self.global_batch_size}; resuming would "
+                              "repeat or skip samples. Use a global batch size that divides it")
+        self.samples_seen = sd["samples_seen"]
+        # The sampler is the loader's only state and is kept in the main process, so setting
+        # it before iter() resumes with or without workers.
+        self.loader.batch_sampler.load_state_dict(
+            {"global_batch": self.samples_seen // self.global_batch_size, "micro_batch": 0})
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step, self.tokens_seen = sd["step"], sd["tokens_seen"]
+
+
+class _Rng:
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {"cpu": torch.get_rng_state()}
+        if self.cuda:
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(sd["cpu"])
+        if self.cuda:
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+# ---- reading folders ---------------------------------------------------------------
+
+def read_metadata(path: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a missing, truncated or foreign .metadata file
+        raise ConfigError(f"{path}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from None
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / INFO).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
+
+
+def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str) -> None:
+    """First missing key or shape mismatch, as one clear error."""
+    for key, shape in expected.items():
+        if key not in found:
+            raise ConfigError(f"{where} has no '{key}' (the model expects shape {tuple(shape)})")
+        if tuple(found[key]) != tuple(shape):
+            raise ConfigError(f"{where}: '{key}' has shape {tuple(found[key])} but the model's is {tuple(shape)}; "
+                              "the checkpoint was made for a different model config")
+
+
+def _saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
+    return {k[len(prefix):]: m.size for k, m in meta.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+
+
+def load_tensors(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` as a full CPU tensor, in one process (no process group)."""
+    meta = read_metadata(Path(path))
+    template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    return {k[len(prefix):]: v for k, v in template.items()}
+
+
+def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], spec_name: str, args: Any) -> None:
+    """A model-only checkpoint from full tensors in one process (converters, seed files)."""
+    tmp = Path(f"{path}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
+    _commit(tmp, Path(path), {"model": spec_name, "args": dataclasses.asdict(args), "model_only": True})
+
+
+def _reason(e: BaseException) -> str:
+    """The first OS error under a (DCP-wrapped, per-rank) exception, else the innermost one's
+    first line."""
+    seen, stack = [], [e]
+    while stack:
+        err = stack.pop(0)
+        if isinstance(err, OSError):
+            return f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        seen.append(err)
+        failures = getattr(err, "failures", None) or {}
+        stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]  # (exception, traceback)
+        stack += [x for x in (err.__cause__, err.__context__) if x is not None and x not in seen]
+    text = str(seen[-1]).strip()
+    return text.splitlines()[0] if text else type(seen[-1]).__name__
+
+
+def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    (tmp / INFO).write_text(json.dumps(info, indent=2))
+    if final.exists():  # re-saving a step (after load_step went back): the old copy becomes litter
+        old = final.with_name(final.name + ".old.tmp")
+        final.rename(old)
+        shutil.rmtree(old)
+    tmp.rename(final)  # atomic on POSIX: the folder appears whole or not at all
+
+
+def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a model whose parameters may be sharded DTensors."""
+    with torch.no_grad():
+        for key, param in model.state_dict().items():
+            src = full[key].to(param.dtype)
+            if isinstance(param, DTensor):
+                # every rank holds the full tensor, so each keeps its slice without communication
+                src = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param = param.to_local()
+            param.copy_(src)
+
+
+# ---- the manager -------------------------------------------------------------------
+
+class CheckpointManager:
+    """Saves every `interval` steps and at `final_step`; restores on start. Call from every rank."""
+
+    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, loader: StatefulDataLoader, data: Data,
+                 seq_len: int, global_batch_size: int, spec: ModelSpec, args: Any, final_step: int) -> None:
+        self.cfg, self.model, self.spec, self.args, self.final_step = cfg, model, spec, args, final_step
+        self.root = Path(dump_folder) / cfg.folder
+        self.train_state = TrainState()
+        self.data = _Data(loader, data, seq_len, global_batch_size)
+        self.tokens_per_step = global_batch_size * seq_len
+        self.states = {"model": _Model(model), "optimizer": _Optimizer(model, optimizer),
+                       "lr_scheduler": _Scheduler(scheduler), "dataloader": self.data,
+                       "train_state": self.train_state, "rng": _Rng(torch.cuda.is_available())}
+        self.rank = dist.get_rank()
+        self.pending: tuple[Path, Path, dict, Any] | None = None
+        self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
+        self.pg = self.stager = None
+        if cfg.enable and cfg.async_mode == "async":
+            # the writer thread runs its own collectives; they must not interleave with training's
+            self.pg = dist.new_group(backend="gloo")
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=cuda))
+        if cfg.enable:
+            if self.rank == 0 and self.root.is_dir():
+                for tmp in self.root.glob("*.tmp"):
+                    _warn(f"removing {tmp}, left by a save that did not finish")
+                    shutil.rmtree(tmp)
+            dist.barrier()
+
+    # -- loading --
+
+    def _complete_steps(self) -> list[int]:
+        """Committed step folders, newest first, skipping (with a warning) any that cannot be read."""
+        steps = []
+        candidates = [p for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)] if self.root.is_dir() else []
+        for path in sorted(candidates, key=lambda p: -int(p.name[5:])):
+            try:
+                read_metadata(path)
+                read_info(path)
+                steps.append(int(path.name[5:]))
+            except ConfigError as e:
+                _warn(f"skipping checkpoint: {e}")
+        return steps
+
+    def _pick_step(self) -> int | None:
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                steps = self._complete_steps()
+                if self.cfg.load_step != -1:
+                    if self.cfg.load_step not in steps:
+                        raise ConfigError(f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint "
+                                          f"{self.root}/step-{self.cfg.load_step}; complete ones: {steps or 'none'}")
+                    choice = [self.cfg.load_step]
+                elif steps:
+                    choice = [steps[0]]
+            except ConfigError as e:
+                choice = [e]
+        dist.broadcast_object_list(choice, src=0)  # one decision, even if the folder changes under us
+        if isinstance(choice[0], ConfigError):
+            raise choice[0]
+        return choice[0]
+
+    def maybe_load(self) -> int:
+        """Restore the chosen checkpoint, or the initial weights; returns the last completed step."""
+        step = self._load()
+        # what the loaded checkpoint had consumed; maybe_save adds this run's steps to it
+        self._loaded_step, self._loaded_tokens = step, self.train_state.tokens_seen
+        self._loaded_samples = self.data.samples_seen
+        return step
+
+    def _load(self) -> int:
+        step = self._pick_step() if self.cfg.enable else None
+        if step is None:
+            if self.cfg.initial_load_path:
+                self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
+            return 0
+        path = self.root / f"step-{step}"
+        if read_info(path).get("model_only"):
+            self._load_model_only(path)
+            if self.rank == 0:
+                print(f"titanlite: initial weights from {path} (model only)", flush=True)
+            return 0
+        meta = read_metadata(path)
+        check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
+                     _saved_shapes(meta, "model."), str(path))
+        states = dict(self.states)
+        if "rng.cuda" not in meta.state_dict_metadata:
+            states["rng"] = _Rng(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        dcp.load(states, checkpoint_id=str(path))
+        if self.rank == 0:
+            print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+        return self.train_state.step
+
+    def _load_model_only(self, path: Path) -> None:
+        meta = read_metadata(path)
+        model_state = self.states["model"]
+        check_shapes({k: v.shape for k, v in model_state.state_dict().items()}, _saved_shapes(meta, "model."),
+                     str(path))
+        dcp.load({"model": model_state}, checkpoint_id=str(path))
+
+    def _initial_load(self, path: Path, fmt: str) -> None:
+        if fmt == "dcp":
+            read_info(path)
+            self._load_model_only(path)
+        else:
+            adapter = self.spec.hf
+            if adapter is None:
+                raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
+                                  "Hugging Face adapter")
+            check_hf_config(adapter, path, self.args)
+            full = adapter.from_hf(read_safetensors(path), self.args)
+            check_shapes({k: v.shape for k, v in self.model.state_dict().items()},
+                         {k: v.shape for k, v in full.items()}, str(path))
+            _assign_full(self.model, full)
+        if self.rank == 0:
+            print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
+
+    # -- saving --
+
+    def _info(self, step: int, model_only: bool, **extra: Any) -> dict[str, Any]:
+        return {"step": step, "model": self.spec.name, "args": dataclasses.asdict(self.args),
+                "model_only": model_only, **extra}
+
+    def wait_for_staging(self) -> None:
+        """Call before optimizer.step(): an async save must have copied the weights it writes."""
+        if self.pending is not None and hasattr(self.pending[3], "staging_completion"):
+            self.pending[3].staging_completion.result()
+
+    def _finish_pending(self, block: bool) -> None:
+        if self.pending is None:
+            return
+        tmp, final, info, handle = self.pending
+        upload: Future = getattr(handle, "upload_completion", handle)
+        if not block and not upload.done():
+            return
+        self.pending = None
+        try:
+            upload.result()  # re-raises a failed write
+            if self.rank == 0:
+                _commit(tmp, final, info)
+                self._prune()
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+            self._save_failed(tmp, final, e)
+
+    def maybe_save(self, step: int, force: bool = False) -> None:
+        """Call after every optimizer step; saves when `step` is due (and always the final step),
+        or when forced (a stop signal)."""
+        self._finish_pending(block=False)
+        if not self.cfg.enable:
+            return
+        self.train_state.step = step
+        done = step - self._loaded_step
+        self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
+        self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
+        if step % self.cfg.interval == 0 or step == self.final_step or force:
+            self._save(step)
+        if step == self.final_step and self.cfg.export_dtype:
+            self._export(step, getattr(torch, self.cfg.export_dtype))
+
+    def _save(self, step: int) -> None:
+        self._finish_pending(block=True)  # one save in flight at a time
+        tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
+        info = self._info(step, model_only=False)
+        try:
+            if self.stager is not None:
+                handle = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.pg,
+                                        async_stager=self.stager)
+                self.pending = (tmp, final, info, handle)
+            else:
+                dcp.save(self.states, checkpoint_id=str(tmp))
+                if self.rank == 0:
+                    _commit(tmp, final, info)
+                    self._prune()
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+            self._save_failed(tmp, final, e)
+
+    def _save_failed(self, tmp: Path, final: Path, e: BaseException) -> None:
+        """Drop the partial save; stop or warn per checkpoint.on_save_error. DCP reports a failed
+        write on every rank, so all ranks take the same branch."""
+        reason = _reason(e)
+        with contextlib.suppress(OSError):
+            reason += f"; {shutil.disk_usage(self.root).free / 2**20:.0f} MiB free in {self.root}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        done = [int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)]
+        previous = f"{self.root}/step-{max(done)}" if done else "(none yet)"
+        msg = (f"checkpoint: saving {final} failed ({reason}); the previous checkpoint {previous} is "
+               "intact")
+        if self.cfg.on_save_error == "stop":
+            raise RunError(f"{msg}; stopping (checkpoint.on_save_error = stop). Free space or fix "
+                           "job.dump_folder, then restart to resume")
+        _warn(f"{msg}; training continues (checkpoint.on_save_error = continue)")
+
+    def _export(self, step: int, dtype: torch.dtype) -> None:
+        sd = {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}
+        tmp, final = self.root / f"export-step-{step}.tmp", self.root / f"export-step-{step}"
+        dcp.save({"model": sd}, checkpoint_id=str(tmp))
+        if self.rank == 0:
+            _commit(tmp, final, self._info(step, model_only=True, dtype=str(dtype).removeprefix("torch.")))
+
+    def save_seed(self) -> None:
+        """Step 0, model only: the initial weights for runs on any layout."""
+        tmp, final = self.root / "step-0.tmp", self.root / "step-0"
+        dcp.save({"model": self.states["model"]}, checkpoint_id=str(tmp))
+        if self.rank == 0:
+            _commit(tmp, final, self._info(0, model_only=True))
+            print(f"titanlite: seed checkpoint written to {final}", flush=True)
+
+    def _prune(self) -> None:
+        if not self.cfg.keep_latest_k:
+            return
+        steps = sorted((int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)),
+                       reverse=True)
+        for step in steps[self.cfg.keep_latest_k:]:
+            shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
+
+    def close(self) -> None:
+        """Wait until the last save is written and committed, on every rank."""
+        self._finish_pending(block=True)
+        if self.stager is not None:
+            self.stager.close()
+        if self.cfg.enable:
+            dist.barrier()  # rank 0 commits; no rank should report the run finished before that

@@ -1,0 +1,89 @@
+"""Convert model weights between formats, in one process.
+
+    python -m titanlite.convert dcp hf    CKPT_DIR  HF_DIR    [--dtype bfloat16] [--max-shard-gb 5]
+    python -m titanlite.convert hf  dcp   HF_DIR    CKPT_DIR  [--model llama3]
+    python -m titanlite.convert dcp torch CKPT_DIR  FILE.pt   [--dtype bfloat16]
+
+dcp is a titanlite checkpoint folder (step-N, export-step-N or a converted one; only the
+model is read). hf is a transformers folder (config.json + safetensors). torch is one
+torch.save file of the model's state dict with titanlite names; read it with
+torch.load(path, weights_only=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from titanlite.checkpoint import load_tensors, read_info, write_model_checkpoint
+from titanlite.config import ConfigError
+from titanlite.hf_io import read_config, read_safetensors, write_hf_folder
+from titanlite.model_spec import ModelSpec, get_model_spec
+
+FORMATS = ("dcp", "hf", "torch")
+
+
+def _adapter(spec: ModelSpec):
+    if spec.hf is None:
+        raise ConfigError(f"model '{spec.name}' has no Hugging Face adapter (models/{spec.name}/hf.py)")
+    return spec.hf
+
+
+def _read_dcp(path: Path):
+    info = read_info(path)
+    spec = get_model_spec(info["model"])
+    args = type(next(iter(spec.flavors.values())))(**info["args"])
+    return spec, args, load_tensors(path, "model.")
+
+
+def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",
+            dtype: str = "", max_shard_gb: float = 5.0) -> None:
+    src_path, dst_path = Path(src), Path(dst)
+    cast = (lambda sd: sd) if not dtype else (lambda sd: {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
+    if (src_format, dst_format) == ("dcp", "hf"):
+        spec, args, sd = _read_dcp(src_path)
+        adapter = _adapter(spec)
+        sd = cast(sd)
+        out_dtype = next(iter(sd.values())).dtype
+        write_hf_folder(dst_path, adapter.to_hf(sd, args), adapter.config_to_hf(args, out_dtype),
+                        max_shard_bytes=int(max_shard_gb * 2**30))
+    elif (src_format, dst_format) == ("hf", "dcp"):
+        spec = get_model_spec(model)
+        adapter = _adapter(spec)
+        args = adapter.args_from_hf(read_config(src_path))
+        write_model_checkpoint(dst_path, cast(adapter.from_hf(read_safetensors(src_path), args)), spec.name, args)
+    elif (src_format, dst_format) == ("dcp", "torch"):
+        _, _, sd = _read_dcp(src_path)
+        dst_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(cast(sd), dst_path)
+    else:
+        raise ConfigError(f"cannot convert {src_format} to {dst_format}; supported: dcp->hf, hf->dcp, dcp->torch")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m titanlite.convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src_format", choices=FORMATS)
+    parser.add_argument("dst_format", choices=FORMATS)
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    parser.add_argument("--model", default="llama3", help="model family when reading hf (default llama3)")
+    parser.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"),
+                        help="cast the weights (default: keep)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size for hf output")
+    a = parser.parse_args(argv)
+    try:
+        if not Path(a.src).exists():
+            raise ConfigError(f"{a.src} does not exist")
+        convert(a.src, a.dst, a.src_format, a.dst_format, model=a.model, dtype=a.dtype,
+                max_shard_gb=a.max_shard_gb)
+    except ConfigError as e:
+        sys.exit(f"titanlite: error: {e}")
+    print(f"titanlite: wrote {a.dst} ({a.dst_format})")
+
+
+if __name__ == "__main__":
+    main()
