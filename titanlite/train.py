@@ -19,23 +19,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titanlite import config, fault
 from titanlite.attention import AttnContext
 from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
-from titanlite.data import build_dataloader
+from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
 from titanlite.fault import Guard, RunError, enable_flight_recorder
+from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
 from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
-
-IGNORE_INDEX = -100
+from titanlite.validate import Validator
 
 
 @dataclass
@@ -55,10 +54,15 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % dims.tp:
+        raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
+                          f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
+                          "change one or set parallelism.sequence_parallel = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
                           "launch it without torchrun or with --nproc_per_node=1")
+    probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -108,7 +112,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         model = plan.spec.build(plan.args)
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
@@ -143,6 +149,25 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     data_iter = iter(loader)
+    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                          t.local_batch_size, dp_rank, dims.dp, loss_group)
+
+    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a loader micro-batch, on the device (training and validation)."""
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy summed over the target tokens of a prepared micro-batch.
+        Call inside loss_context(): loss parallel must also cover the backward."""
+        with autocast:
+            logits = model(batch["input_ids"], AttnContext())
+        return cross_entropy_sum(logits, batch["labels"])
+
+    def eval_loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with loss_context(opts.loss_parallel):
+            return loss_sum_of(batch)
+
     start = last_log = time.perf_counter()
     last_log_step = start_step
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
@@ -151,19 +176,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     for step in range(start_step + 1, t.steps + 1):
         guard.start_step(step)
         profiler.step_begin(step)
-        batches = [next(data_iter) for _ in range(accum)]
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        batches = [prepare(next(data_iter)) for _ in range(accum)]
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-            with autocast:
-                logits = model(inputs, AttnContext())
-            loss = guard.inject_loss(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                                     reduction="sum", ignore_index=IGNORE_INDEX))
-            (loss / n_targets).backward()
+            with loss_context(opts.loss_parallel):
+                loss = guard.inject_loss(loss_sum_of(batch))
+                (loss / n_targets).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
+        params = list(model.parameters())
+        reduce_partial_grads(params)
+        grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
         stop, skip = guard.end_step(loss_sum, grad_norm)
         ckpt.wait_for_staging()
@@ -183,12 +207,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / (step - start_step) * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped}, eta)
+                               "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped,
+                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
+                        eta)
             last_log, last_log_step = now, step
         if stop:
             if rank == 0:
                 print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
             break
+        if validator.due(step, t.steps):
+            val_start = time.perf_counter()
+            metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
+            last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     ckpt.close()
     guard.close()
@@ -197,6 +227,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
     (done / f"rank-{rank}.done").write_text(json.dumps({"step": guard.step, "signal": guard.signal_name}))
+    # Every marker exists before any rank starts tearing down (gloo may abort there)
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:
