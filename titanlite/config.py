@@ -545,8 +545,11 @@ if __name__ == "__main__":
     # run_train.sh's first check, without importing torch: most mistakes fail in well under a second
     import sys
 
+    # the package's own module, not this __main__ copy: other modules raise its ConfigError
+    from titanlite import config
+
     try:
-        load(sys.argv[1:])
-    except ConfigError as e:
+        config.load(sys.argv[1:])
+    except config.ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
