@@ -8,12 +8,20 @@ set -euo pipefail
 NGPU=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count() or 1)")}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+for var in NGPU NNODES; do
+  if ! [[ "${!var}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "titanlite: error: $var must be a positive integer, got '${!var}'" >&2
+    exit 2
+  fi
+done
 
 case " $* " in
   *" --help "* | *" -h "* | *" --print-config "*) exec python -m titanlite.train "$@" ;;
 esac
 
 # Validate in one process first: bad input gives one clear line, not one per rank.
+# The config alone is checked without torch (fast), then layout, model and files.
+python -m titanlite.config "$@"
 WORLD_SIZE=$((NGPU * NNODES)) python -m titanlite.train --check "$@"
 
 if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then

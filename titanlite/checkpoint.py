@@ -13,6 +13,7 @@ step-N.tmp and renamed when whole: a folder named step-N is always complete.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import Checkpoint, ConfigError, Data
+from titanlite.fault import RunError
 from titanlite.hf_io import check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
 
@@ -191,6 +193,22 @@ def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor]
     shutil.rmtree(tmp, ignore_errors=True)
     dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
     _commit(tmp, Path(path), {"model": spec_name, "args": dataclasses.asdict(args), "model_only": True})
+
+
+def _reason(e: BaseException) -> str:
+    """The first OS error under a (DCP-wrapped, per-rank) exception, else the innermost one's
+    first line."""
+    seen, stack = [], [e]
+    while stack:
+        err = stack.pop(0)
+        if isinstance(err, OSError):
+            return f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+        seen.append(err)
+        failures = getattr(err, "failures", None) or {}
+        stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]  # (exception, traceback)
+        stack += [x for x in (err.__cause__, err.__context__) if x is not None and x not in seen]
+    text = str(seen[-1]).strip()
+    return text.splitlines()[0] if text else type(seen[-1]).__name__
 
 
 def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
@@ -354,14 +372,18 @@ class CheckpointManager:
         upload: Future = getattr(handle, "upload_completion", handle)
         if not block and not upload.done():
             return
-        upload.result()  # re-raises a failed write
         self.pending = None
-        if self.rank == 0:
-            _commit(tmp, final, info)
-            self._prune()
+        try:
+            upload.result()  # re-raises a failed write
+            if self.rank == 0:
+                _commit(tmp, final, info)
+                self._prune()
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+            self._save_failed(tmp, final, e)
 
-    def maybe_save(self, step: int) -> None:
-        """Call after every optimizer step; saves when `step` is due (and always the final step)."""
+    def maybe_save(self, step: int, force: bool = False) -> None:
+        """Call after every optimizer step; saves when `step` is due (and always the final step),
+        or when forced (a stop signal)."""
         self._finish_pending(block=False)
         if not self.cfg.enable:
             return
@@ -369,7 +391,7 @@ class CheckpointManager:
         done = step - self._loaded_step
         self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
         self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
-        if step % self.cfg.interval == 0 or step == self.final_step:
+        if step % self.cfg.interval == 0 or step == self.final_step or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:
             self._export(step, getattr(torch, self.cfg.export_dtype))
@@ -378,15 +400,35 @@ class CheckpointManager:
         self._finish_pending(block=True)  # one save in flight at a time
         tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
         info = self._info(step, model_only=False)
-        if self.stager is not None:
-            handle = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.pg,
-                                    async_stager=self.stager)
-            self.pending = (tmp, final, info, handle)
-        else:
-            dcp.save(self.states, checkpoint_id=str(tmp))
-            if self.rank == 0:
-                _commit(tmp, final, info)
-                self._prune()
+        try:
+            if self.stager is not None:
+                handle = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.pg,
+                                        async_stager=self.stager)
+                self.pending = (tmp, final, info, handle)
+            else:
+                dcp.save(self.states, checkpoint_id=str(tmp))
+                if self.rank == 0:
+                    _commit(tmp, final, info)
+                    self._prune()
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+            self._save_failed(tmp, final, e)
+
+    def _save_failed(self, tmp: Path, final: Path, e: BaseException) -> None:
+        """Drop the partial save; stop or warn per checkpoint.on_save_error. DCP reports a failed
+        write on every rank, so all ranks take the same branch."""
+        reason = _reason(e)
+        with contextlib.suppress(OSError):
+            reason += f"; {shutil.disk_usage(self.root).free / 2**20:.0f} MiB free in {self.root}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        done = [int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)]
+        previous = f"{self.root}/step-{max(done)}" if done else "(none yet)"
+        msg = (f"checkpoint: saving {final} failed ({reason}); the previous checkpoint {previous} is "
+               "intact")
+        if self.cfg.on_save_error == "stop":
+            raise RunError(f"{msg}; stopping (checkpoint.on_save_error = stop). Free space or fix "
+                           "job.dump_folder, then restart to resume")
+        _warn(f"{msg}; training continues (checkpoint.on_save_error = continue)")
 
     def _export(self, step: int, dtype: torch.dtype) -> None:
         sd = {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}

@@ -30,6 +30,9 @@ class Job:
     """TensorBoard run name under <dump_folder>/tb/; empty means a timestamp."""
     description: str = ""
     """Free text shown at start-up."""
+    shutdown_timeout_s: int = 25
+    """After SIGTERM/SIGINT, seconds the ranks have to finish the step, save and exit 0;
+    past it they exit non-zero. Keep it below the launcher's grace period (torchrun: 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class Training:
     """Gradient reduction dtype: float32 or bfloat16."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cuda or cpu."""
+    on_nonfinite: str = "stop"
+    """A step with a non-finite loss or gradient norm: stop (error naming the step) or skip
+    (no optimizer update; the data and LR schedule still advance)."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite = skip, the most steps a run may skip; one more stops it."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,9 @@ class Checkpoint:
     export_dtype: str = ""
     """If set (float32, bfloat16 or float16), the last step also writes a model-only copy in
     this dtype to <folder>/export-step-N for inference."""
+    on_save_error: str = "stop"
+    """A save that fails (full disk, unwritable folder): stop (exit 1) or continue training
+    without it. Either way the previous checkpoint is kept and the partial one removed."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +230,23 @@ class Comm:
     init_timeout_s: int = 300
     """Timeout for process-group creation and the first collectives."""
     train_timeout_s: int = 300
-    """Timeout for any collective during training."""
+    """Seconds any training step after the first may take (collectives included); past it,
+    every rank writes its stacks to <dump_folder>/hang/ and exits non-zero."""
+
+
+@dataclass(frozen=True)
+class Profiling:
+    enable: bool = False
+    """Record a torch profiler trace of a window of steps to
+    <dump_folder>/profile/step-N/rankR.pt.trace.json (TensorBoard or Perfetto)."""
+    start_step: int = 3
+    """First profiled step (the steps before it are warm-up)."""
+    num_steps: int = 2
+    """Steps in the profiled window; N in step-N is its last step."""
+    memory_snapshot: bool = False
+    """On CUDA, record allocations and write a memory snapshot for the profiled window to
+    <dump_folder>/memory_snapshot/step-N/rankR.pickle, and on out-of-memory to
+    memory_snapshot/oom/rankR.pickle (view at pytorch.org/memory_viz)."""
 
 
 @dataclass(frozen=True)
@@ -236,6 +263,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     comm: Comm = field(default_factory=Comm)
+    profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
 
 
@@ -394,7 +422,10 @@ def validate(cfg: JobConfig) -> None:
                      ("parallelism.context_parallel_degree", p.context_parallel_degree),
                      ("activation_checkpoint.selective_every", cfg.activation_checkpoint.selective_every),
                      ("comm.init_timeout_s", cfg.comm.init_timeout_s),
-                     ("comm.train_timeout_s", cfg.comm.train_timeout_s)]:
+                     ("comm.train_timeout_s", cfg.comm.train_timeout_s),
+                     ("job.shutdown_timeout_s", cfg.job.shutdown_timeout_s),
+                     ("profiling.start_step", cfg.profiling.start_step),
+                     ("profiling.num_steps", cfg.profiling.num_steps)]:
         if val < 1:
             raise ConfigError(f"{key} must be >= 1, got {val}")
     if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
@@ -415,6 +446,13 @@ def validate(cfg: JobConfig) -> None:
     _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
             ("default", "always", "never"))
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
+    _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
+    if t.max_skipped_steps < 0:
+        raise ConfigError(f"training.max_skipped_steps must be >= 0, got {t.max_skipped_steps}")
+    pr = cfg.profiling
+    if pr.enable and pr.start_step + pr.num_steps - 1 > t.steps:
+        raise ConfigError(f"profiling: the window of steps {pr.start_step}..{pr.start_step + pr.num_steps - 1} "
+                          f"ends after training.steps ({t.steps}); lower profiling.start_step or num_steps")
     _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
@@ -431,6 +469,7 @@ def validate(cfg: JobConfig) -> None:
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
+    _choice("checkpoint.on_save_error", c.on_save_error, ("stop", "continue"))
     _choice("checkpoint.initial_load_format", c.initial_load_format, ("dcp", "hf"))
     _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
@@ -506,3 +545,17 @@ def world_size() -> int:
 
 def world_rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+if __name__ == "__main__":
+    # run_train.sh's first check, without importing torch: most mistakes fail in well under a second
+    import sys
+
+    # the package's own module, not this __main__ copy: other modules raise its ConfigError
+    from titanlite import config
+
+    try:
+        config.load(sys.argv[1:])
+    except config.ConfigError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

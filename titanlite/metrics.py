@@ -14,6 +14,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr",
            "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib",
+           "skipped_steps": "train/skipped_steps",
            "epoch": "data/epoch"}
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,17 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite import config, context_parallel
+from titanlite import config, context_parallel, fault
 from titanlite.attention import AttnContext
 from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.fault import Guard, RunError, enable_flight_recorder
 from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
+from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
 
@@ -66,11 +70,26 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
     t = cfg.training
+    if t.device == "cuda":
+        pick_device("cuda")
+    check_writable(cfg.job.dump_folder)
     gbs = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     return Plan(dims, spec, args, tokenizer, gbs)
+
+
+def check_writable(folder: str) -> None:
+    """Refuse a dump folder that cannot be created or written, before any rank starts."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder: cannot write to '{folder}' ({e.strerror}); "
+                          "pick a writable folder") from None
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -82,6 +101,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def train(cfg: JobConfig, plan: Plan) -> None:
     t = cfg.training
     device = pick_device(t.device)
+    enable_flight_recorder(cfg.job.dump_folder)
     init_process_group(device, cfg.comm.init_timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(t.seed)
@@ -157,8 +177,12 @@ def train(cfg: JobConfig, plan: Plan) -> None:
 
     start = last_log = time.perf_counter()
     last_log_step = start_step
+    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
+    profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
     for step in range(start_step + 1, t.steps + 1):
+        guard.start_step(step)
+        profiler.step_begin(step)
         batches = [prepare(next(data_iter)) for _ in range(accum)]
         # local (cp-sharded) labels: the all-reduce over dp_cp makes the global count
         n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
@@ -166,20 +190,24 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
             with loss_context(opts.loss_parallel):
-                loss = loss_sum_of(batch)
+                loss = guard.inject_loss(loss_sum_of(batch))
                 (loss / n_targets).backward()
             loss_sum += loss.detach()
         params = list(model.parameters())
         reduce_partial_grads(params)
         grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
+        stop, skip = guard.end_step(loss_sum, grad_norm)
         ckpt.wait_for_staging()
-        optimizer.step()
+        if not skip:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        ckpt.maybe_save(step)
+        profiler.step_end(step)
+        guard.start_save()
+        ckpt.maybe_save(step, force=stop)
 
-        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
+        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or stop:
             dist.all_reduce(loss_sum, group=loss_group)
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
@@ -187,21 +215,26 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / (step - start_step) * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device),
+                               "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped,
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
                         eta)
             last_log, last_log_step = now, step
+        if stop:
+            if rank == 0:
+                print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
+            break
         if validator.due(step, t.steps):
             val_start = time.perf_counter()
             metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     ckpt.close()
+    guard.close()
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
-    (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+    (done / f"rank-{rank}.done").write_text(json.dumps({"step": guard.step, "signal": guard.signal_name}))
     # Every marker exists before any rank starts tearing down (gloo may abort there)
     dist.barrier()
 
@@ -223,6 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
         print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:
+        err = e if isinstance(e, RunError) else fault.as_run_error(e)
+        if err is None:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else config.world_rank()
+        print(f"titanlite: error: {err}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
+        # no process-group teardown: with a peer dead or diverged it can hang or abort
+        os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

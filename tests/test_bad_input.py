@@ -1,0 +1,181 @@
+"""Bad configurations and command lines through the real launcher (./run_train.sh).
+
+Each case must end with exactly one stderr line `titanlite: error: ...` that names the key
+or file, a non-zero exit within 30 s, and no process left behind. Cases run in a thread
+pool (each is a separate launcher in its own session) to keep the suite short; the eight
+cases in test_train.py are not repeated here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+from harness import REPO, _env
+
+LIMIT_S = 30
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    stderr: str
+    elapsed: float
+    leftover: bool
+
+
+def _files(tmp) -> dict[str, str]:
+    """Broken inputs on disk; values are paths."""
+    texts = {
+        "typo_key.toml": "[training]\nstepss = 3\n",
+        "typo_section.toml": "[trainin]\nsteps = 3\n",
+        "wrong_type.toml": '[training]\nsteps = "ten"\n',
+        "syntax.toml": "[training\nsteps = 3\n",
+        "not_table.toml": "steps = 3\n",
+        "float_for_int.toml": "[training]\nseq_len = 64.0\n",
+        "a_file.txt": "just text\n",
+    }
+    paths = {}
+    for name, text in texts.items():
+        (tmp / name).write_text(text)
+        paths[name] = str(tmp / name)
+    (tmp / "bad_tok").mkdir()
+    (tmp / "bad_tok" / "tokenizer.json").write_text("{not json")
+    paths["bad_tok"] = str(tmp / "bad_tok")
+    return paths
+
+
+def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    """id -> (arguments, extra environment, text the error line must contain)."""
+    return {
+        # typos and unknown names, in TOML and on the command line
+        "toml_typo_key": (["--config", f["typo_key.toml"]], {}, "unknown config key 'training.stepss'; did you mean 'steps'?"),
+        "toml_typo_section": (["--config", f["typo_section.toml"]], {}, "unknown config section 'trainin'; did you mean 'training'?"),
+        "cli_typo_section": (["--trainig.steps", "3"], {}, "unknown config section 'trainig'; did you mean 'training'?"),
+        "cli_no_section": (["--steps", "3"], {}, "option '--steps' must look like --section.key"),
+        "cli_positional": (["training.steps=3"], {}, "unexpected argument 'training.steps=3'"),
+        "model_name_path": (["--model.name", "../titanlite"], {}, "model.name: unknown model '../titanlite'"),
+        # wrong types
+        "toml_wrong_type": (["--config", f["wrong_type.toml"]], {}, "training.steps: expected int, got str"),
+        "toml_float_for_int": (["--config", f["float_for_int.toml"]], {}, "training.seq_len: expected int, got float"),
+        "toml_syntax": (["--config", f["syntax.toml"]], {}, f"{f['syntax.toml']}: invalid TOML"),
+        "toml_not_table": (["--config", f["not_table.toml"]], {}, "'steps' must be a [section] table"),
+        "cli_bool": (["--metrics.enable_tensorboard", "yes"], {}, "metrics.enable_tensorboard: expected bool, got 'yes'"),
+        "cli_float": (["--optimizer.lr", "fast"], {}, "optimizer.lr: expected float, got 'fast'"),
+        "cli_missing_value": (["--training.steps"], {}, "training.steps: expected int, got 'true'"),
+        # zero, negative, out of range
+        "steps_zero": (["--training.steps", "0"], {}, "training.steps must be >= 1, got 0"),
+        "steps_negative": (["--training.steps", "-5"], {}, "training.steps must be >= 1, got -5"),
+        "seq_len_zero": (["--training.seq_len", "0"], {}, "training.seq_len must be >= 1"),
+        "batch_zero": (["--training.local_batch_size", "0"], {}, "training.local_batch_size must be >= 1"),
+        "global_batch_zero": (["--training.global_batch_size", "0"], {}, "training.global_batch_size must be >= 1 or -1"),
+        "lr_zero": (["--optimizer.lr", "0"], {}, "optimizer.lr must be > 0"),
+        "lr_negative": (["--optimizer.lr", "-1e-3"], {}, "optimizer.lr must be > 0"),
+        "log_freq_zero": (["--metrics.log_freq", "0"], {}, "metrics.log_freq must be >= 1"),
+        "holdout_one": (["--data.holdout_fraction", "1.0"], {}, "data.holdout_fraction must be in [0, 1)"),
+        "workers_negative": (["--data.num_workers", "-1"], {}, "data.num_workers must be >= 0"),
+        "train_timeout_zero": (["--comm.train_timeout_s", "0"], {}, "comm.train_timeout_s must be >= 1"),
+        "shutdown_timeout_zero": (["--job.shutdown_timeout_s", "0"], {}, "job.shutdown_timeout_s must be >= 1"),
+        "max_skipped_negative": (["--training.max_skipped_steps", "-1"], {}, "training.max_skipped_steps must be >= 0"),
+        # schedules longer than training
+        "warmup_longer_than_run": (["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"], {},
+                                   "lr_scheduler.warmup_steps (10) must be below training.steps (5)"),
+        "decay_ratio": (["--lr_scheduler.decay_ratio", "1.5"], {}, "lr_scheduler: need"),
+        "profile_past_end": (["--training.steps", "20", "--profiling.enable", "true", "--profiling.start_step", "20"],
+                             {}, "profiling: the window of steps 20..21 ends after training.steps (20)"),
+        # choices
+        "decay_type": (["--lr_scheduler.decay_type", "exp"], {}, "lr_scheduler.decay_type: 'exp' is not one of"),
+        "precision": (["--training.mixed_precision_param", "float16"], {}, "training.mixed_precision_param: 'float16'"),
+        "ac_mode": (["--activation_checkpoint.mode", "sometimes"], {}, "activation_checkpoint.mode: 'sometimes'"),
+        "reshard": (["--parallelism.fsdp_reshard_after_forward", "maybe"], {}, "parallelism.fsdp_reshard_after_forward"),
+        "on_nonfinite": (["--training.on_nonfinite", "ignore"], {}, "training.on_nonfinite: 'ignore' is not one of"),
+        "no_cuda": (["--training.device", "cuda"], {}, "training.device: cuda requested but no CUDA device"),
+        # impossible layouts and shapes
+        "tp_zero": (["--parallelism.tensor_parallel_degree", "0"], {}, "parallelism.tensor_parallel_degree must be >= 1"),
+        "dp_shard_zero": (["--parallelism.data_parallel_shard_degree", "0"], {},
+                          "parallelism.data_parallel_shard_degree must be >= 1 or -1"),
+        "tp_above_world": (["--parallelism.tensor_parallel_degree", "4"], {"NGPU": "2"},
+                           "world size 2 is not divisible by dp_replicate 1 x cp 1 x tp 4"),
+        "tp_heads": (["--parallelism.tensor_parallel_degree", "3"], {"NGPU": "3"},
+                     "n_heads 8 is not divisible by parallelism.tensor_parallel_degree 3"),
+        "replicate_above_world": (["--parallelism.data_parallel_replicate_degree", "2"], {},
+                                  "world size 1 is not divisible by dp_replicate 2"),
+        "global_batch_indivisible": (["--training.global_batch_size", "12"], {"NGPU": "2"},
+                                     "training.global_batch_size 12 is not divisible"),
+        "seq_len_past_rope": (["--training.seq_len", "200000"], {},
+                              "training.seq_len 200000 exceeds llama3 debugmodel's max_seq_len"),
+        "vocab_below_tokenizer": (["--model.vocab_size", "100"], {}, "set model.vocab_size >= 259"),
+        "ngpu_zero": ([], {"NGPU": "0"}, "NGPU must be a positive integer, got '0'"),
+        "ngpu_text": ([], {"NGPU": "two"}, "NGPU must be a positive integer, got 'two'"),
+        # missing or broken files and folders
+        "config_is_folder": (["--config", str(REPO)], {}, f"config file '{REPO}' not found"),
+        "tokenizer_is_file": (["--data.tokenizer", f["a_file.txt"]], {}, "is neither 'byte' nor a folder"),
+        "tokenizer_corrupt": (["--data.tokenizer", f["bad_tok"]], {}, f"data.tokenizer: cannot load '{f['bad_tok']}'"),
+        "dump_folder_is_file": (["--job.dump_folder", f["a_file.txt"]], {}, "job.dump_folder: cannot write to"),
+        "checkpoint_initial_missing": (["--checkpoint.initial_load_path", f["a_file.txt"] + ".gone"], {},
+                                       "checkpoint.initial_load_path: '"),
+        "checkpoint_folder_absolute": (["--checkpoint.folder", "/tmp"], {},
+                                       "checkpoint.folder: '/tmp' must be a relative path inside job.dump_folder"),
+        "checkpoint_folder_escapes": (["--checkpoint.folder", "../elsewhere"], {}, "checkpoint.folder: '../elsewhere'"),
+        "checkpoint_on_save_error": (["--checkpoint.on_save_error", "retry"], {}, "checkpoint.on_save_error: 'retry'"),
+        "dump_folder_under_file": (["--job.dump_folder", f["a_file.txt"] + "/out"], {}, "job.dump_folder: cannot write to"),
+    }
+
+
+def _run(args: list[str], env: dict[str, str], dump: str) -> Outcome:
+    # the dump folder comes first so a case's own --job.dump_folder overrides it
+    proc = subprocess.Popen([str(REPO / "run_train.sh"), "--job.dump_folder", dump, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env({"NGPU": "1", **env}), start_new_session=True)
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=LIMIT_S)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code, err = None, ""
+    elapsed = time.monotonic() - start
+    # the launcher led its own session: any process still in its group was left behind
+    try:
+        os.killpg(proc.pid, 0)
+        leftover = True
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        leftover = False
+    if code is None:
+        proc.communicate()
+    return Outcome(code, err, elapsed, leftover)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_input")
+    cases = _cases(_files(tmp))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, args, env, str(tmp / f"dump-{name}"))
+                   for name, (args, env, _) in cases.items()}
+        return {name: (cases[name][2], fut.result()) for name, fut in futures.items()}
+
+
+CASE_IDS = list(_cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type.toml", "syntax.toml",
+                                       "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok"]}))
+
+
+def test_at_least_thirty_cases():
+    assert len(CASE_IDS) >= 30
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bad_input_gives_one_line_and_fails_fast(outcomes, case):
+    expect, out = outcomes[case]
+    assert out.returncode is not None, f"still running after {LIMIT_S} s"
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error: "), out.stderr
+    assert expect in lines[0], f"expected {expect!r} in {lines[0]!r}"
+    assert out.elapsed < LIMIT_S
+    assert not out.leftover, "processes were left running"

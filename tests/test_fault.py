@@ -1,0 +1,286 @@
+"""Faults on a live gloo job: non-finite steps, preemption signals, dead and hung ranks, profiling.
+
+Ranks are started as plain processes (no torchrun agent that would kill the survivors for
+us), as on a multi-node job where the failed rank is elsewhere. Each test is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, TINY, _env, launch, train
+
+from titanlite.checkpoint import load_tensors
+
+LIMIT_S = 120
+
+
+@dataclass
+class Ranks:
+    procs: list[subprocess.Popen]
+    dump: Path
+
+    def log(self, rank: int) -> str:
+        return (self.dump / f"rank-{rank}.log").read_text()
+
+    def wait(self, timeout: float = LIMIT_S) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def metrics(self) -> list[dict]:
+        path = self.dump / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def done(self, rank: int) -> dict:
+        return json.loads((self.dump / "status" / f"rank-{rank}.done").read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(nproc: int, args: list[str], dump: Path, faults: str = "") -> Ranks:
+    """Start `nproc` trainer processes that rendezvous on a fresh local port."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(nproc):
+        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    "TITANLITE_FAULTS": faults})
+        log = open(dump / f"rank-{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump),
+                                       *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return Ranks(procs, dump)
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("titanlite: error:")]
+
+
+# -- non-finite loss ----------------------------------------------------------------------
+
+def test_nonfinite_stop_names_the_step_on_every_rank(tmp_path):
+    # NaN on rank 1 only: the all-reduced flag must stop rank 0 at the same step
+    ranks = spawn(2, TINY, tmp_path, faults="nan@3:1")
+    codes = ranks.wait()
+    assert codes == [1, 1], [ranks.log(0), ranks.log(1)]
+    for r in range(2):
+        (err,) = _errors(ranks.log(r))
+        assert "step 3: non-finite loss (training.on_nonfinite = stop)" in err
+        assert "Traceback" not in ranks.log(r)
+    assert [m["step"] for m in ranks.metrics()] == [1, 2]  # nothing logged or stepped after the bad step
+
+
+def test_nonfinite_skip_keeps_training_finite(tmp_path):
+    args = [*TINY, "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "2"]
+    ranks = spawn(2, args, tmp_path, faults="nan@3:1,nan@6")
+    assert ranks.wait() == [0, 0], ranks.log(0)
+    rows = ranks.metrics()
+    assert [m["step"] for m in rows] == list(range(1, 11))
+    assert [m["skipped_steps"] for m in rows] == [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    assert math.isnan(rows[2]["loss"]) and math.isnan(rows[5]["loss"])
+    # one NaN update would have poisoned AdamW's moments and every later loss
+    finite = [m["loss"] for i, m in enumerate(rows) if i not in (2, 5)]
+    assert all(math.isfinite(v) for v in finite) and finite[-1] < finite[0]
+    assert ranks.log(0).count("optimizer step skipped") == 2
+
+
+def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
+    args = [*TINY, "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "1"]
+    run = launch(1, args, dump=tmp_path, env={"TITANLITE_FAULTS": "nan@2,nan@4"}, timeout=LIMIT_S)
+    assert run.returncode != 0
+    assert "step 4: 2 steps with non-finite loss or gradients, more than training.max_skipped_steps (1)" in run.output
+    assert run.metrics[-1]["step"] == 3
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)])
+def test_signal_to_one_rank_stops_all_at_the_same_step(tmp_path, sig, target):
+    args = [*TINY, "--training.steps", "400", "--job.shutdown_timeout_s", "20"]
+    ranks = spawn(2, args, tmp_path)
+    deadline = time.monotonic() + LIMIT_S
+    while not any(m["step"] >= 3 for m in ranks.metrics()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.log(0)
+        time.sleep(0.05)
+    ranks.procs[target].send_signal(sig)
+    signalled = time.monotonic()
+    assert ranks.wait() == [0, 0], [ranks.log(0), ranks.log(1)]
+    assert time.monotonic() - signalled < 20
+    stopped = {ranks.done(r)["step"] for r in range(2)}
+    assert len(stopped) == 1 and 3 <= stopped.pop() < 400
+    assert ranks.done(target)["signal"] == sig.name
+    assert ranks.metrics()[-1]["step"] == ranks.done(0)["step"]
+    assert f"stopped at step {ranks.done(0)['step']}" in ranks.log(0)
+
+
+def test_sigterm_to_the_launcher_stops_every_worker_cleanly(tmp_path):
+    # as on SLURM preemption: torchrun gets SIGTERM and forwards it to each worker
+    args = ["--job.dump_folder", str(tmp_path), *TINY, "--training.steps", "400"]
+    proc = subprocess.Popen([str(REPO / "run_train.sh"), *args], cwd=REPO, env=_env({"NGPU": "2"}),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not (tmp_path / "metrics.jsonl").exists() or "step" not in (tmp_path / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=40)  # torchrun's grace before SIGKILL is 30 s
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):  # no worker outlived the launcher
+            os.killpg(proc.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = [json.loads((tmp_path / "status" / f"rank-{r}.done").read_text()) for r in range(2)]
+    assert done[0] == done[1] and done[0]["signal"] == "SIGTERM" and done[0]["step"] < 400, done
+
+
+# -- dead and hung ranks ------------------------------------------------------------------
+
+def test_dead_rank_survivor_exits_with_a_message_and_the_restart_resumes(tmp_path):
+    args = [*TINY, "--comm.train_timeout_s", "30", "--comm.init_timeout_s", "60",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    ranks = spawn(2, args, tmp_path, faults="kill@4:1")
+    start = time.monotonic()
+    codes = ranks.wait()
+    assert codes[1] == -signal.SIGKILL
+    assert codes[0] != 0 and time.monotonic() - start < 90, ranks.log(0)
+    (err,) = _errors(ranks.log(0))
+    # gloo sees the closed connection at once; the watchdog is the fallback for silent peers
+    assert "step 4:" in err and ("a peer rank probably died" in err or "exceeded comm.train_timeout_s" in err), err
+    assert (tmp_path / "hang" / "rank-0.txt").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+    again = spawn(2, args, tmp_path)
+    assert again.wait() == [0, 0], again.log(0)
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-2'}" in again.log(0)
+    assert again.done(0)["step"] == 10
+
+
+def test_hang_dumps_every_rank_stack_and_exits(tmp_path):
+    args = [*TINY, "--comm.train_timeout_s", "4", "--comm.init_timeout_s", "60"]
+    ranks = spawn(2, args, tmp_path, faults="hang@3:1")
+    start = time.monotonic()
+    codes = ranks.wait()
+    assert codes == [124, 124], [ranks.log(0), ranks.log(1)]
+    assert time.monotonic() - start < 90
+    for r in range(2):
+        (err,) = _errors(ranks.log(r))
+        assert "step 3: exceeded comm.train_timeout_s (4 s)" in err and f"hang/rank-{r}.txt" in err
+    hung = (tmp_path / "hang" / "rank-1.txt").read_text()
+    waiting = (tmp_path / "hang" / "rank-0.txt").read_text()
+    assert "in start_step" in hung  # the injected hang, before any collective of step 3
+    assert "in train" in waiting and "train.py" in waiting  # blocked in a collective of the loop
+    # the flight recorder (gloo keeps one too) shows the collective rank 0 waits in, never completed
+    with open(tmp_path / "hang" / "flight-recorder-rank-0.pkl", "rb") as f:
+        last = pickle.load(f)["entries"][-1]
+    assert last["profiling_name"] == "gloo:all_reduce" and last["time_discovered_completed_ns"] is None
+
+
+# -- profiling ----------------------------------------------------------------------------
+
+def test_profiler_writes_a_trace_for_the_window(tmp_path):
+    args = [*TINY, "--training.steps", "5", "--profiling.enable", "true", "--profiling.start_step", "2",
+            "--profiling.num_steps", "2", "--profiling.memory_snapshot", "true"]
+    run = launch(1, args, dump=tmp_path, timeout=LIMIT_S)
+    assert run.returncode == 0, run.output[-3000:]
+    assert list((tmp_path / "profile").iterdir()) == [tmp_path / "profile" / "step-3"]
+    trace = json.loads((tmp_path / "profile" / "step-3" / "rank0.pt.trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, steps
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "memory_snapshot needs CUDA" in run.output
+    assert all(r["peak_gib"] > 0 for r in run.metrics)  # CPU peak RSS stands in for CUDA memory
+
+
+# -- with checkpoints -------------------------------------------------------------------
+
+CKPT = ["--checkpoint.enable", "true"]
+
+
+def _steps_saved(dump: Path) -> list[str]:
+    return sorted(p.name for p in (dump / "checkpoint").iterdir())
+
+
+def test_sigterm_saves_and_the_restart_matches_an_uninterrupted_run(tmp_path):
+    args = [*TINY, *CKPT, "--training.steps", "30", "--checkpoint.interval", "1000"]
+    ranks = spawn(2, args, tmp_path)
+    deadline = time.monotonic() + LIMIT_S
+    while not any(m["step"] >= 3 for m in ranks.metrics()):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.log(0)
+        time.sleep(0.05)
+    ranks.procs[1].send_signal(signal.SIGTERM)
+    assert ranks.wait() == [0, 0], [ranks.log(0), ranks.log(1)]
+    stopped = ranks.done(0)["step"]
+    assert ranks.done(1)["step"] == stopped < 30
+    assert _steps_saved(tmp_path) == [f"step-{stopped}"]  # saved on the way out, off the interval
+    again = spawn(2, args, tmp_path)
+    assert again.wait() == [0, 0], again.log(0)
+    assert f"resumed from {tmp_path / 'checkpoint' / f'step-{stopped}'}" in again.log(0)
+    straight = train(2, args, dump=tmp_path / "straight")
+    resumed = {m["step"]: m["loss"] for m in again.metrics()}  # later rows win: the restart's
+    assert resumed[30] == straight.metrics[-1]["loss"]  # bitwise: resume is exact on CPU
+    assert [resumed[s] for s in range(stopped + 1, 31)] == straight.losses[stopped:]
+
+
+def test_nonfinite_stop_keeps_the_last_good_checkpoint(tmp_path):
+    args = [*TINY, *CKPT, "--checkpoint.interval", "2"]
+    run = launch(1, args, dump=tmp_path, env={"TITANLITE_FAULTS": "nan@5"}, timeout=LIMIT_S)
+    assert run.returncode == 1 and "step 5: non-finite loss" in run.output
+    assert _steps_saved(tmp_path) == ["step-2", "step-4"]
+    again = launch(1, args, dump=tmp_path, timeout=LIMIT_S)
+    assert again.returncode == 0 and f"resumed from {tmp_path / 'checkpoint' / 'step-4'}" in again.output
+
+
+def _small_tmpfs(path: Path, size: str) -> None:
+    """A real filesystem that fills up: needs root with mount rights."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs a small tmpfs (root with mount rights)")
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, policy):
+    # a 3.2M-parameter model with AdamW takes ~39 MB a checkpoint: one fits in 60 MB, two do not
+    folder = tmp_path / "checkpoint"
+    _small_tmpfs(folder, "60m")
+    try:
+        args = [*TINY, *CKPT, "--training.steps", "6", "--checkpoint.interval", "2",
+                "--checkpoint.on_save_error", policy]
+        run = launch(1, args, dump=tmp_path, timeout=LIMIT_S)
+        saved = _steps_saved(tmp_path)
+        intact = load_tensors(folder / "step-2")
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    errors = [line for line in run.output.splitlines() if "titanlite: error:" in line or "warning: checkpoint" in line]
+    assert errors and f"saving {folder / 'step-4'} failed" in errors[0] and " 0 MiB free in " in errors[0]
+    assert f"previous checkpoint {folder / 'step-2'} is intact" in errors[0]
+    assert saved == ["step-2"]  # no half-written step-4 or step-4.tmp
+    assert intact and all(torch.isfinite(v).all() for v in intact.values() if v.is_floating_point())
+    if policy == "stop":
+        assert run.returncode == 1 and run.metrics[-1]["step"] == 3  # step 4 ends in its save, before its log
+    else:
+        assert run.returncode == 0 and run.metrics[-1]["step"] == 6

@@ -1,0 +1,209 @@
+"""Surviving faults: preemption signals, hung or dead peers, non-finite steps.
+
+Every rank holds one `Guard`. Once per step it all-reduces (MAX, over the world) three
+flags: a stop was requested by SIGTERM/SIGINT, the local loss is non-finite, the gradient
+norm is non-finite. So every rank takes the same decision at the same step, even when only
+one rank was signalled. A watchdog thread bounds each step: past its deadline the rank
+writes the stacks of all its threads (and the collective flight recorder) to
+<dump_folder>/hang/ and exits, because a rank blocked in a collective cannot raise.
+
+Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
+NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config import Comm, Training
+
+HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
+
+
+class RunError(RuntimeError):
+    """A failure during training, reported as one line `titanlite: error: ...`, exit 1."""
+
+
+def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
+    """TITANLITE_FAULTS text -> {(kind, step, rank or None for every rank)}."""
+    faults = set()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in ("nan", "hang", "kill") or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected nan|hang|kill@STEP[:RANK]")
+        faults.add((kind, int(step), int(rank) if rank else None))
+    return faults
+
+
+def enable_flight_recorder(dump_folder: str) -> None:
+    """Keep a ring buffer of recent collectives, dumped on NCCL timeouts; set before the process
+    group exists. Values the user already exported win."""
+    prefix = str(Path(dump_folder, "hang").resolve() / "nccl-trace-rank-")
+    for key, value in [("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", prefix),
+                       ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)]:
+        os.environ.setdefault(key, value)
+
+
+def dump_hang_report(folder: Path, rank: int, reason: str, exc: BaseException | None = None) -> Path:
+    """Write why, the exception if any, and every thread's Python stack to hang/rank-R.txt."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank-{rank}.txt"
+    with open(path, "w") as f:
+        f.write(f"rank {rank}: {reason}\n\n")
+        if exc is not None:
+            f.write("".join(traceback.format_exception(exc)) + "\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    dump_fr = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump_fr is not None:
+        with contextlib.suppress(Exception):  # best effort: the recorder may be off or empty
+            (folder / f"flight-recorder-rank-{rank}.pkl").write_bytes(dump_fr())
+    return path
+
+
+_active: Guard | None = None
+"""This process's guard while training runs, for as_run_error()."""
+
+
+class Guard:
+    """Signals, the step watchdog and the per-step agreement for one rank."""
+
+    def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
+                 start_step: int = 0) -> None:
+        self.rank, self.comm, self.training = rank, comm, training
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.hang_folder = Path(dump_folder) / "hang"
+        self.faults = parse_faults(os.environ.get("TITANLITE_FAULTS", ""))
+        self.step = start_step
+        """The step running now, or the last one completed."""
+        self.first_step = start_step + 1
+        self.skipped = 0
+        self.signal_name: str | None = None
+        self._deadline = float("inf")
+        self._what = ""
+        self._lock = threading.RLock()  # re-entered by the signal handler on the main thread
+        self._closed = threading.Event()
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._thread = threading.Thread(target=self._watch, name="titanlite-watchdog", daemon=True)
+        self._thread.start()
+        global _active
+        _active = self
+
+    # -- signals and the watchdog -------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
+            # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
+            if self.signal_name == name == "SIGINT":
+                print(f"titanlite: second SIGINT on rank {self.rank}; exiting now", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            return
+        self.signal_name = name
+        if self.rank == 0:
+            print(f"titanlite: {name} received; finishing step {self.step} and stopping", flush=True)
+        with self._lock:
+            self._set_deadline(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
+
+    def arm(self, seconds: float, what: str) -> None:
+        """Exit with a hang report unless the next arm() comes within `seconds`. Once a stop
+        signal arrived, its shutdown deadline stands."""
+        with self._lock:
+            if self.signal_name is None:
+                self._set_deadline(seconds, what)
+
+    def _set_deadline(self, seconds: float, what: str) -> None:
+        self._deadline, self._what = time.monotonic() + seconds, f"{what} ({seconds:g} s)"
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.2):
+            with self._lock:
+                expired, what = time.monotonic() > self._deadline, self._what
+            if expired:
+                path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
+                print(f"titanlite: error: step {self.step}: exceeded {what} on rank {self.rank} (a peer rank may be "
+                      f"hung or dead); stacks written to {path}", file=sys.stderr, flush=True)
+                os._exit(HANG_EXIT_CODE)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        global _active
+        _active = None
+
+    # -- the step -------------------------------------------------------------------
+    def start_step(self, step: int) -> None:
+        """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
+        self.step = step
+        if step == self.first_step:
+            self.arm(self.comm.init_timeout_s, "comm.init_timeout_s")
+        else:
+            self.arm(self.comm.train_timeout_s, "comm.train_timeout_s")
+        if ("kill", step, self.rank) in self.faults or ("kill", step, None) in self.faults:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ("hang", step, self.rank) in self.faults or ("hang", step, None) in self.faults:
+            threading.Event().wait()
+
+    def start_save(self) -> None:
+        """A checkpoint save may follow: it gets the generous deadline of the first step."""
+        self.arm(self.comm.init_timeout_s, "comm.init_timeout_s (checkpoint save)")
+
+    def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if ("nan", self.step, self.rank) in self.faults or ("nan", self.step, None) in self.faults:
+            return loss * float("nan")
+        return loss
+
+    def end_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
+        """One all-reduce over the world: returns (stop after this step, skip its optimizer
+        update). Raises RunError for a non-finite step under `stop` or too many skips."""
+        flags = torch.stack([torch.tensor(float(self.signal_name is not None), device=loss_sum.device),
+                             (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float()])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, bad_loss, bad_grad = (bool(v) for v in flags.tolist())
+        if not (bad_loss or bad_grad):
+            return stop, False
+        what = "loss" if bad_loss else "gradient norm"
+        if self.training.on_nonfinite == "stop":
+            raise RunError(f"step {self.step}: non-finite {what} (training.on_nonfinite = stop); no update "
+                           "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
+                           "data, or set training.on_nonfinite = skip")
+        self.skipped += 1
+        if self.skipped > self.training.max_skipped_steps:
+            raise RunError(f"step {self.step}: {self.skipped} steps with non-finite loss or gradients, more "
+                           f"than training.max_skipped_steps ({self.training.max_skipped_steps}); stopping")
+        if self.rank == 0:
+            print(f"titanlite: warning: step {self.step}: non-finite {what}; optimizer step skipped "
+                  f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
+        return stop, True
+
+
+def as_run_error(e: BaseException) -> RunError | None:
+    """A failed collective (dead or hung peer) or out-of-memory as a one-line RunError, with
+    a report in hang/ for the former; None for anything else (a bug keeps its traceback)."""
+    guard = _active
+    if guard is None:
+        return None
+    if isinstance(e, torch.OutOfMemoryError):
+        return RunError(f"step {guard.step}: out of memory on rank {guard.rank}; lower "
+                        "training.local_batch_size (raise global_batch_size's accumulation instead) or set "
+                        "activation_checkpoint.mode = full")
+    if not (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e).lower())):
+        return None
+    path = dump_hang_report(guard.hang_folder, guard.rank, f"step {guard.step}: collective failed", e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return RunError(f"step {guard.step}: a collective failed on rank {guard.rank}; a peer rank probably "
+                    f"died or hung ({first}); report in {path}")
