@@ -90,16 +90,10 @@ def test_async_resume_is_bitwise_on_two_ranks(straight2, async2):
         assert_same_tensors(straight2 / "checkpoint" / f"step-{step}", async2 / "checkpoint" / f"step-{step}")
 
 
-def _tp_landed() -> bool:
-    return "parallelize_module" in (REPO / "models" / "llama3" / "parallelize.py").read_text()
-
-
 @pytest.mark.parametrize("layout", ["fsdp4", "one_process", "tp2"])
 def test_reshard_loads_identical_state_and_continues_the_stream(layout, straight2, async2, tmp_path):
     """A 2-rank FSDP checkpoint (step 10) loads on another layout: what was loaded, saved
     again, is tensor-for-tensor the original, and steps 11-20 match the uninterrupted run."""
-    if layout == "tp2" and not _tp_landed():
-        pytest.skip("tensor parallelism has not landed in this branch yet")
     # one_process also finds the newer step-20 and must still obey load_step (then re-save step 20)
     nproc, extra = {"fsdp4": (4, []), "one_process": (1, ["--checkpoint.load_step", "10"]),
                     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"])}[layout]
