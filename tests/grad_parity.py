@@ -8,7 +8,7 @@ reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 
 from __future__ import annotations
 
-import dataclasses
+
 import sys
 
 import torch

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, TINY, assert_parity, launch, train
+from harness import TINY, assert_parity, launch, train
 
 from titanlite import config
 from titanlite.checkpoint import _Data, load_tensors

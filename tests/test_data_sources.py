@@ -17,9 +17,10 @@ from titanlite.config import ConfigError, Data
 from titanlite.data import build_dataloader, build_dataset, mix_schedule, token_stream
 from titanlite.sources import parse_mix, read_documents
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-datasets = pytest.importorskip("datasets")
+# the test extra installs these: a missing one must fail, not skip
+import datasets  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
 
 def texts_of(path: Path) -> list[str]:
