@@ -101,3 +101,16 @@ def assert_parity(ref: list[float], got: list[float], first_rtol: float = 1e-6, 
     for step, (a, b) in enumerate(zip(ref, got), start=1):
         rel = abs(a - b) / abs(a)
         assert rel <= rtol, f"step {step}: loss {b!r} vs {a!r}: rel diff {rel:.2e} > {rtol}"
+
+
+def assert_grad_parity(model: str, nproc: int, args: list[str]) -> None:
+    """Every full gradient of one parallel step matches the unsharded model's.
+
+    Loss curves barely feel small replicated weights (norms): a gradient left unreduced
+    across tensor-parallel ranks can pass loss parity and still be wrong.
+    """
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(REPO / "tests" / "grad_parity.py"), model, *args],
+                          capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=300)
+    assert proc.stdout.count("worst relative diff") == nproc and "MISMATCH" not in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from harness import REPO, TINY, Run, _env, assert_parity, reference, train
+from harness import REPO, TINY, Run, _env, assert_grad_parity, assert_parity, reference, train
 
 from titanlite import config
 from titanlite.config import ConfigError
@@ -88,3 +88,9 @@ def test_bad_tp_degree_is_refused_in_preflight(extra, world, message):
     cfg, _ = config.load([*TINY, *extra])
     with pytest.raises(ConfigError, match=re.escape(message)):
         preflight(cfg, world)
+
+
+@pytest.mark.parametrize("nproc,args", [(4, ["2", "2"]), (2, ["1", "2", "nosp"])],
+                         ids=["fsdp2xtp2", "tp2_no_sequence_parallel"])
+def test_every_gradient_matches_under_tp(nproc, args):
+    assert_grad_parity("llama3", nproc, args)
