@@ -66,6 +66,9 @@ class Training:
     """Gradient reduction dtype: float32 or bfloat16."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cuda or cpu."""
+    gc_freq: int = 50
+    """Run Python's garbage collector by hand every N steps (automatic collection is switched
+    off during training, so pauses land on known steps); 0 leaves Python's automatic collection on."""
 
 
 @dataclass(frozen=True)
@@ -147,15 +150,31 @@ class Data:
 @dataclass(frozen=True)
 class ActivationCheckpoint:
     mode: str = "none"
-    """none, full, or selective (every `selective_every`-th block)."""
+    """none, full, or selective (see selective_type)."""
     selective_every: int = 2
     """With selective mode, checkpoint every N-th transformer block."""
+    selective_type: str = "layer"
+    """With selective mode: layer (every `selective_every`-th block recomputed whole) or op (every
+    block keeps its matmul and attention outputs and recomputes the cheap ops between them)."""
 
 
 @dataclass(frozen=True)
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block (fullgraph) and the components listed below."""
+    components: tuple[str, ...] = ("model",)
+    """What to compile when enabled: model (each transformer block) and/or loss."""
+
+
+@dataclass(frozen=True)
+class Float8:
+    enable: bool = False
+    """Train the Linear layers inside transformer blocks in float8 through torchao
+    (H100/H200-class CUDA GPUs; install the `float8` extra)."""
+    enable_fsdp_float8_all_gather: bool = True
+    """With FSDP, all-gather float8 weights instead of the parameter dtype (less traffic)."""
+    recipe: str = "tensorwise"
+    """torchao float8 scaling recipe: tensorwise, rowwise or rowwise_with_gw_hp."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     comm: Comm = field(default_factory=Comm)
+    float8: Float8 = field(default_factory=Float8)
 
 
 def _sections() -> dict[str, type]:
@@ -212,6 +232,11 @@ def _nearest(name: str, options: list[str]) -> str:
 def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
     """Check (TOML) or parse (CLI string) one value against its declared type."""
     name = getattr(typ, "__name__", str(typ))
+    if typing.get_origin(typ) is tuple:
+        items = [v for v in value.split(",") if v] if from_cli and isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(items)
     if from_cli and isinstance(value, str):
         try:
             if typ is bool:
@@ -352,6 +377,12 @@ def validate(cfg: JobConfig) -> None:
             ("default", "always", "never"))
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
     _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
+    _choice("activation_checkpoint.selective_type", cfg.activation_checkpoint.selective_type, ("layer", "op"))
+    for component in cfg.compile.components:
+        _choice("compile.components", component, ("model", "loss"))
+    _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    if t.gc_freq < 0:
+        raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic), got {t.gc_freq}")
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     if s.warmup_steps >= t.steps:

@@ -17,20 +17,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from titanlite import config
+from titanlite import config, float8, gc_control
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader
 from titanlite.dist import ParallelDims, init_process_group, pick_device
+from titanlite.loss import IGNORE_INDEX, build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
 from titanlite.tokenizer import Tokenizer, build_tokenizer
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -50,6 +48,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    float8.preflight(cfg.float8, cfg.training.device, dims.tp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
@@ -84,7 +83,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         model = plan.spec.build(plan.args)
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              float8=cfg.float8)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
@@ -109,7 +109,10 @@ def train(cfg: JobConfig, plan: Plan) -> None:
               f"{device.type}, {param_dtype}", flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
+    loss_fn = build_loss_fn(cfg.compile)
+    float8_scales = float8.needs_scale_precompute(cfg.float8, dims.fsdp)
     data_iter = iter(loader)
+    gc_control.start(t.gc_freq)
     start = last_log = time.perf_counter()
     last_log_step = 0
 
@@ -119,11 +122,12 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            inputs, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+            # pinned host memory on GPU: the copies overlap with compute
+            inputs = batch["input_ids"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
             with autocast:
                 logits = model(inputs, AttnContext())
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            loss = loss_fn(logits, labels)
             (loss / n_targets).backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
@@ -131,6 +135,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if float8_scales:
+            float8.precompute_scales(model)
+        gc_control.maybe_collect(step, t.gc_freq)
 
         if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps:
             dist.all_reduce(loss_sum, group=loss_group)
@@ -143,6 +150,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                                "peak_gib": peak_memory_gib(device)}, eta)
             last_log, last_log_step = now, step
 
+    gc_control.stop(t.gc_freq)
     metrics.close()
     # Written after the last collective: proof this rank finished, for launchers and tests
     done = Path(cfg.job.dump_folder) / "status"

@@ -1,4 +1,4 @@
-"""How Llama 3 is parallelized. Order matters: TP, CP, AC, compile, then FSDP."""
+"""How Llama 3 is parallelized. Order matters: float8, TP, CP, AC, compile, then FSDP."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from titanlite.config import ConfigError
 from titanlite.dist import Meshes, ParallelDims
+from titanlite.float8 import apply_float8
 from titanlite.parallel import ParallelizeOptions, apply_ac, apply_compile, apply_fsdp
 
 from .model import ModelArgs
@@ -21,6 +22,8 @@ def validate(args: ModelArgs, dims: ParallelDims) -> None:
 
 
 def parallelize(model: nn.Module, meshes: Meshes, opts: ParallelizeOptions) -> None:
+    if opts.float8.enable:
+        apply_float8(model.layers, opts.float8, fsdp=meshes.dims.fsdp)
     apply_ac(model.layers, opts.activation_checkpoint)
     if opts.compile.enable:
         apply_compile(model.layers)
