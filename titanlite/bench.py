@@ -121,7 +121,7 @@ def tensor_memory_peak(enabled: bool, out: dict):
                     key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
-        if e.device_type() == (0 if out["device"] == "cpu" else 1):
+        if e.device_type().name.lower() == out["device"]:
             live += e.nbytes()
             peak = max(peak, live)
     out["tensor_peak_gib"] = peak / 2**30
@@ -169,11 +169,11 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
 def _summary(name: str, cfg: JobConfig, plan, args: BenchArgs, seconds: float, tokens_per_step: float,
              flops_per_token: float, device: torch.device, per_rank: list[dict], peak_gib: float) -> dict:
     tps = args.steps * tokens_per_step / seconds
-    measured = min(r["matmul_flops"] for r in per_rank)
+    measured = sum(r["matmul_flops"] for r in per_rank) / len(per_rank)
     peak = device_peak_flops(device) if device.type == "cuda" else measured
     result = {
         "name": name, "model": f"{cfg.model.name} {cfg.model.flavor}", "layout": str(plan.dims),
-        "world_size": len(per_rank), "device": _device_name(device), "dtype": str(cfg.training.mixed_precision_param),
+        "world_size": len(per_rank), "device": _device_name(device), "dtype": str(_param_dtype(cfg, device)).removeprefix("torch."),
         "threads": torch.get_num_threads(), "global_batch_size": plan.global_batch_size,
         "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
         "warmup_steps": args.warmup, "timed_steps": args.steps,
@@ -187,6 +187,12 @@ def _summary(name: str, cfg: JobConfig, plan, args: BenchArgs, seconds: float, t
     if "tensor_peak_gib" in per_rank[0]:
         result["tensor_peak_gib_per_rank"] = [r["tensor_peak_gib"] for r in per_rank]
     return result
+
+
+def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    from titanlite.train import _dtype
+
+    return _dtype(cfg.training.mixed_precision_param, device)
 
 
 def _device_name(device: torch.device) -> str:
