@@ -24,3 +24,12 @@ def test_grad_accumulation_across_world_sizes():
     ref = reference([*GLOBAL8, "--training.local_batch_size", "8"])
     run = train(2, [*GLOBAL8, "--training.local_batch_size", "2"])  # 2 ranks x 2 micro-batches x 2
     assert_parity(ref.losses, run.losses)
+
+
+def test_bf16_on_cpu_by_option_tracks_fp32():
+    ref = reference([*GLOBAL8, "--training.local_batch_size", "8"])
+    run = train(2, [*GLOBAL8, "--training.mixed_precision_param", "bfloat16"])
+    # bf16 keeps ~3 significant digits: close to fp32, but not equal to it
+    assert run.losses != ref.losses
+    for a, b in zip(ref.losses, run.losses):
+        assert abs(a - b) / a < 2e-2, (ref.losses, run.losses)

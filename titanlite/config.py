@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import inspect
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +230,13 @@ def _nearest(name: str, options: list[str]) -> str:
 
 def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
     """Check (TOML) or parse (CLI string) one value against its declared type."""
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v]  # CLI lists are comma-separated
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(key, v, item, from_cli) for v in value]
     name = getattr(typ, "__name__", str(typ))
     if typing.get_origin(typ) is tuple:
         items = [v for v in value.split(",") if v] if from_cli and isinstance(value, str) else value
@@ -436,19 +442,3 @@ def world_size() -> int:
 
 def world_rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m titanlite.config ...`: validate and print; used by run_train.sh before launch."""
-    try:
-        cfg, flags = load(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        sys.exit(f"titanlite: error: {e}")
-    if "--help" in flags or "-h" in flags:
-        print(help_text())
-    else:
-        print(to_toml(cfg))
-
-
-if __name__ == "__main__":
-    main()

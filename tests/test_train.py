@@ -1,0 +1,89 @@
+"""End to end through run_train.sh: the default job, multi-rank launch, metrics, bad input."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from harness import REPO, _env, launch
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+TAGS = {"loss/train", "train/grad_norm", "train/lr", "perf/tokens_per_sec", "memory/peak_gib"}
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib"}
+
+
+def run_sh(args, ngpu=1, timeout=600):
+    env = _env({"NGPU": str(ngpu)})
+    start = time.monotonic()
+    proc = subprocess.run([str(REPO / "run_train.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO)
+    return proc, time.monotonic() - start
+
+
+def test_default_job_loss_falls_and_metrics_are_written(tmp_path):
+    proc, _ = run_sh(["--job.dump_folder", str(tmp_path), "--job.run_name", "r"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, *range(10, 101, 10)]
+    assert all(set(r) == KEYS for r in rows)
+    assert rows[-1]["loss"] < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
+    events = EventAccumulator(str(tmp_path / "tb" / "r"))
+    events.Reload()
+    assert TAGS <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("loss/train")] == pytest.approx([r["loss"] for r in rows])
+
+
+def test_launcher_resolves_config_and_runs_gloo_ranks(tmp_path):
+    proc, _ = run_sh(["--config", "debug_model.toml", "--job.dump_folder", str(tmp_path), "--training.steps", "12",
+                      "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "4",
+                      "--metrics.enable_tensorboard", "false"], ngpu=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dp_shard=2" in proc.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 4, 8, 12]
+
+
+def test_help_and_print_config():
+    proc, _ = run_sh(["--help"])
+    assert proc.returncode == 0 and "--training.steps" in proc.stdout
+    proc, _ = run_sh(["--config", "llama_8b.toml", "--print-config"])
+    assert proc.returncode == 0 and 'flavor = "8B"' in proc.stdout
+
+
+def _tokenizer_folder_without_files(tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "README").write_text("no tokenizer here")
+    return str(folder)
+
+
+@pytest.mark.parametrize("case", ["missing_config", "unknown_model", "unknown_flavor", "missing_data",
+                                  "empty_tokenizer", "world_size", "typo", "wrong_type"])
+def test_bad_input_one_line_fast_nonzero(tmp_path, case):
+    args, ngpu, expect = {
+        "missing_config": (["--config", "nope.toml"], 1, "config file 'nope.toml' not found"),
+        "unknown_model": (["--model.name", "gpt5"], 1, "unknown model 'gpt5'"),
+        "unknown_flavor": (["--model.flavor", "9B"], 1, "unknown flavor '9B'"),
+        "missing_data": (["--data.path", str(tmp_path / "none")], 1, "does not exist"),
+        "empty_tokenizer": (["--data.tokenizer", _tokenizer_folder_without_files(tmp_path)], 1,
+                            "has no tokenizer files"),
+        "world_size": (["--parallelism.data_parallel_shard_degree", "3"], 2, "differ from the world size 2"),
+        "typo": (["--training.stepz", "3"], 1, "did you mean 'steps'?"),
+        "wrong_type": (["--training.steps", "many"], 1, "expected int"),
+    }[case]
+    proc, elapsed = run_sh(args, ngpu=ngpu, timeout=60)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error: ") and expect in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert elapsed < 30
+
+
+def test_bad_input_under_plain_torchrun_exits_on_every_rank(tmp_path):
+    start = time.monotonic()
+    run = launch(2, ["--data.path", str(tmp_path / "missing")], timeout=60)
+    assert run.returncode != 0 and time.monotonic() - start < 30
+    assert run.output.count("titanlite: error: data.path:") == 2, run.output
