@@ -161,7 +161,7 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the components listed below."""
-    components: tuple[str, ...] = ("model",)
+    components: list[str] = field(default_factory=lambda: ["model"])
     """What to compile when enabled: model (each transformer block) and/or loss."""
 
 
@@ -238,11 +238,6 @@ def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(key, v, item, from_cli) for v in value]
     name = getattr(typ, "__name__", str(typ))
-    if typing.get_origin(typ) is tuple:
-        items = [v for v in value.split(",") if v] if from_cli and isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
-            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
-        return tuple(items)
     if from_cli and isinstance(value, str):
         try:
             if typ is bool:

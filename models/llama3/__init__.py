@@ -11,8 +11,6 @@ _LLAMA32 = dict(rope_scaling_factor=32.0, tie_embeddings=True)
 flavors = {
     "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
                             multiple_of=64, rope_scaling_factor=8.0),
-    # ~100M parameters (vocab 16384): big enough that CPU benchmarks are matmul-bound
-    "100M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, multiple_of=256),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, **_LLAMA32),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, **_LLAMA32),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
@@ -21,6 +19,8 @@ flavors = {
                      multiple_of=4096, **_LLAMA31),
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                       multiple_of=4096, **_LLAMA31),
+    # ~100M parameters (vocab 16384): big enough that CPU benchmarks are matmul-bound
+    "100M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, multiple_of=256),
 }
 
 
