@@ -65,3 +65,29 @@ def test_activation_checkpointing_saves_less():
     none, full = _forward_retained_bytes("none"), _forward_retained_bytes("full")
     layer, op = _forward_retained_bytes("selective", "layer"), _forward_retained_bytes("selective", "op")
     assert full < layer < none and full < op < none, (none, layer, op, full)
+
+
+def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
+    """The benchmark runs 2 FSDP ranks end to end, and the estimator, which allocates nothing,
+    lands within 20% of the tensor peak the profiler measured on every rank."""
+    import json
+
+    from titanlite import config
+    from titanlite.estimate import estimate
+
+    job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4"]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "titanlite.bench", "--ngpu", "2", "--warmup", "1", "--steps", "2",
+                           "--track-memory", "--out", str(out), *job, "--job.dump_folder", str(tmp_path)],
+                          capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tok/s/dev" in proc.stdout
+    (result,) = json.loads(out.read_text())["results"]
+    tokens_per_step = 4 * 64  # per rank
+    assert abs(result["tokens_per_sec_per_device"] * result["ms_per_step"] / 1000 - tokens_per_step) < 1e-6 * tokens_per_step
+    assert 0 < result["mfu_pct"] and result["matmul_tflops_measured"] > 0
+    cfg, _ = config.load(job)
+    est, _ = estimate(cfg, 2)
+    for measured in result["tensor_peak_gib_per_rank"]:
+        rel = abs(est.total / 2**30 - measured) / measured
+        assert rel <= 0.2, f"estimate {est.total / 2**30:.4f} GiB vs measured {measured:.4f} GiB ({rel:.0%})"

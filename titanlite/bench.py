@@ -13,6 +13,8 @@ Bench flags:
                     PyTorch loop (DDP when N > 1), same batch, dtype and threads; print ratios
   --torchtitan      also run torchtitan on the same model, layout and batch (CUDA machines with
                     torchtitan installed; skipped with a note otherwise)
+  --repeat R        run titanlite (and the peer) R times, alternating, and keep each one's fastest
+                    run: on a shared machine this filters out the slices where others took the cores
   --track-memory    record the peak of allocated tensor bytes with the PyTorch profiler (slows steps)
   --out FILE        JSON output (default <job.dump_folder>/bench.json)
 """
@@ -36,7 +38,7 @@ from titanlite import config
 from titanlite.config import ConfigError, JobConfig
 from titanlite.metrics import device_peak_flops
 
-BENCH_FLAGS = {"--ngpu": int, "--warmup": int, "--steps": int, "--out": str, "--_role": str, "--_result": str}
+BENCH_FLAGS = {"--ngpu": int, "--repeat": int, "--warmup": int, "--steps": int, "--out": str, "--_role": str, "--_result": str}
 BENCH_SWITCHES = ("--peer", "--torchtitan", "--track-memory")
 
 
@@ -45,6 +47,7 @@ class BenchArgs:
     ngpu: int = 1
     warmup: int = 3
     steps: int = 10
+    repeat: int = 1
     out: str = ""
     peer: bool = False
     torchtitan: bool = False
@@ -74,8 +77,8 @@ def parse_args(argv: list[str]) -> tuple[BenchArgs, list[str]]:
         else:
             rest.append(argv[i])
         i += 1
-    if args.ngpu < 1 or args.warmup < 1 or args.steps < 1:
-        raise ConfigError("--ngpu, --warmup and --steps must be >= 1")
+    if min(args.ngpu, args.warmup, args.steps, args.repeat) < 1:
+        raise ConfigError("--ngpu, --warmup, --steps and --repeat must be >= 1")
     return args, rest
 
 
@@ -270,9 +273,14 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--peer compares data-parallel layouts only; drop tp/cp degrees")
     except ConfigError as e:
         sys.exit(f"titanlite: error: {e}")
-    results = [launch("titanlite", args, rest)]
-    if args.peer:
-        results.append(launch("peer", args, rest))
+    roles = ["titanlite", "peer"] if args.peer else ["titanlite"]
+    runs: dict[str, list[dict]] = {role: [] for role in roles}
+    for _ in range(args.repeat):
+        for role in roles:
+            runs[role].append(launch(role, args, rest))
+    results = [max(runs[role], key=lambda r: r["tokens_per_sec_per_device"]) for role in roles]
+    for role, result in zip(roles, results):
+        result["repeats_tokens_per_sec"] = [r["tokens_per_sec_per_device"] for r in runs[role]]
     if args.torchtitan:
         from titanlite.bench_peer import run_torchtitan
 

@@ -118,7 +118,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
 
     for step in range(1, t.steps + 1):
         batches = [next(data_iter) for _ in range(accum)]
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+        # counted on the host; a non-blocking copy, so no device sync
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device, non_blocking=True)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
