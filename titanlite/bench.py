@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,6 +161,7 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
     if dist.get_rank():
         return None
     rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(dump, ignore_errors=True)
     tokens_per_step = plan.global_batch_size * cfg.training.seq_len / dist.get_world_size()
     seconds = _timed_window(rows, args.warmup, tokens_per_step)
     flops_per_token = plan.spec.flops_per_token(plan.args, cfg.training.seq_len)
@@ -217,7 +219,9 @@ def launch(role: str, args: BenchArgs, rest: list[str]) -> dict:
     if not result.exists():
         sys.exit(f"titanlite: error: bench {role} run failed (exit {proc.returncode}):\n"
                  f"{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(result.read_text())
+    data = json.loads(result.read_text())
+    shutil.rmtree(result.parent, ignore_errors=True)
+    return data
 
 
 def worker(args: BenchArgs, rest: list[str]) -> dict | None:

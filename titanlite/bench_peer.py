@@ -14,7 +14,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -42,7 +41,7 @@ def run_peer(bench_args, rest: list[str]) -> dict | None:
     from titanlite.dist import init_process_group, pick_device
     from titanlite.train import _dtype, preflight
 
-    cfg, _ = config.load(trainer_argv(bench_args, rest, tempfile.mkdtemp(prefix="titanlite-peer-")))
+    cfg, _ = config.load(trainer_argv(bench_args, rest, None))
     plan = preflight(cfg, config.world_size())
     t = cfg.training
     device = pick_device(t.device)

@@ -43,7 +43,7 @@ class Estimate:
                                                       self.gradients + self.step_buffers)
 
 
-def _local_numel(name: str, param: nn.Parameter, dims: ParallelDims) -> int:
+def _local_numel(param: nn.Parameter, dims: ParallelDims) -> int:
     shape = list(param.shape)
     if dims.tp > 1 and len(shape) == 2:
         shape[0] = math.ceil(shape[0] / dims.tp)  # colwise/rowwise alike: 1/tp of the matrix
@@ -83,7 +83,7 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
     dims, args, t, ac = plan.dims, plan.args, cfg.training, cfg.activation_checkpoint
     with torch.device("meta"):
         model = plan.spec.build(args)
-    local = sum(_local_numel(n, p, dims) for n, p in model.named_parameters())
+    local = sum(_local_numel(p, dims) for p in model.parameters())
     full_block = sum(p.numel() for p in model.layers["0"].parameters())
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
 
@@ -97,10 +97,15 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
     logits = v * (act_b + (4 if low else 0) + 4)
     activations = tokens * ((blocks + 2 * d) * act_b + logits)
 
-    # backward starts with the logit gradient; recomputation rebuilds one block at a time
-    recompute = {"none": 0.0, "full": 10 * d + 4 * args.ffn_hidden}.get(ac.mode, 0.0)
-    if ac.mode == "selective":
-        recompute = (10 * d + 4 * args.ffn_hidden) * (ac.selective_type == "layer")
+    # backward starts with the logit gradient and, if the last block is checkpointed, its
+    # recomputation (later recomputations happen after other blocks' activations are freed)
+    n = args.n_layers
+    none = block_activation_elems(args, "none", 1, "layer") / n
+    recompute = {"none": 0.0, "full": none - d}.get(ac.mode, 0.0)
+    if ac.mode == "selective" and ac.selective_type == "layer":
+        recompute = none - d if (n - 1) % ac.selective_every == 0 else 0.0
+    elif ac.mode == "selective":
+        recompute = none - block_activation_elems(args, "selective", 1, "op") / n
     backward = tokens * (4 * v + recompute * act_b / dims.tp)
     if dims.fsdp:
         # the unsharded root, two blocks in flight (current and prefetched) each with its
@@ -132,8 +137,12 @@ def _parse(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
     try:
-        ngpu, rest = _parse(sys.argv[1:] if argv is None else argv)
+        ngpu, rest = _parse(argv)
         cfg, _ = config.load(rest)
         e, dims = estimate(cfg, ngpu)
     except ConfigError as err:
