@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results)
     out = Path(args.out or Path(cfg.job.dump_folder) / "bench.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+    record = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "command": " ".join(["python -m titanlite.bench", *argv]),
               "torch": torch.__version__, "python": sys.version.split()[0], "results": results}
     if args.peer:
         import transformers
