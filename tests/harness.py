@@ -31,9 +31,18 @@ class Run:
     dump: Path
 
     @property
-    def metrics(self) -> list[dict]:
+    def rows(self) -> list[dict]:
         path = self.dump / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def metrics(self) -> list[dict]:
+        """Training rows (validation writes rows of its own)."""
+        return [row for row in self.rows if "loss" in row]
+
+    @property
+    def val_losses(self) -> list[tuple[int, float]]:
+        return [(row["step"], row["val_loss"]) for row in self.rows if "val_loss" in row]
 
     @property
     def losses(self) -> list[float]:

@@ -12,7 +12,7 @@ from harness import REPO, _env, launch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TAGS = {"loss/train", "train/grad_norm", "train/lr", "perf/tokens_per_sec", "memory/peak_gib"}
-KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib"}
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "epoch"}
 
 
 def run_sh(args, ngpu=1, timeout=600):

@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> tuple[BenchArgs, list[str]]:
 def trainer_argv(args: BenchArgs, rest: list[str], dump: str | None) -> list[str]:
     """The user's overrides, then the bench's: log exactly at the end of warm-up and of the run."""
     argv = [*rest, "--training.steps", str(args.warmup + args.steps), "--metrics.log_freq", str(args.warmup),
-            "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0"]
+            "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "0", "--validation.freq", "0"]
     return argv if dump is None else [*argv, "--job.dump_folder", dump]
 
 
@@ -161,6 +161,7 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
     if dist.get_rank():
         return None
     rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "tokens_per_sec" in row]  # training rows only
     shutil.rmtree(dump, ignore_errors=True)
     tokens_per_step = plan.global_batch_size * cfg.training.seq_len / dist.get_world_size()
     seconds = _timed_window(rows, args.warmup, tokens_per_step)

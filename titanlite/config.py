@@ -82,6 +82,13 @@ class Parallelism:
     """Context parallel degree (sequence sharding across ranks)."""
     fsdp_reshard_after_forward: str = "default"
     """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+    loss_parallel: bool = True
+    """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
+    gathering them on every rank; no effect when tensor_parallel_degree is 1."""
+    sequence_parallel: bool = True
+    """With tensor parallelism, also shard the sequence between blocks (norms, residual
+    stream), cutting activation memory by the degree; needs training.seq_len divisible by
+    the degree. Off keeps whole sequences on every tensor-parallel rank."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,30 @@ class Data:
     """Data loader worker processes."""
     holdout_fraction: float = 0.01
     """Tail fraction of the token stream kept out of training for validation."""
+    split: str = "train"
+    """Split to read from a Hugging Face data set (hf:NAME or a save_to_disk folder)."""
+    mix: list[str] = field(default_factory=list)
+    """Weighted mixture instead of data.path: ["SOURCE:WEIGHT", ...] (on the command line
+    SOURCE:WEIGHT,SOURCE:WEIGHT); weights are relative, honoured to 1/1000. Each SOURCE is
+    anything data.path accepts."""
+    streaming: bool = False
+    """Read data.path lazily (Hugging Face datasets streaming) instead of tokenizing it whole
+    up front; see docs/data.md for what order guarantees hold."""
+    shuffle_buffer: int = 10000
+    """Documents in the shuffle buffer of a streamed source."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    freq: int = 0
+    """Evaluate every N steps (and after the last); 0 turns validation off."""
+    steps: int = 10
+    """Global batches per evaluation (the same ones every time)."""
+    path: str = ""
+    """Validation source, anything data.path accepts; empty means the held-out tail
+    (data.holdout_fraction) of the training data."""
+    split: str = "validation"
+    """Split of validation.path when it is a Hugging Face data set."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +229,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
     float8: Float8 = field(default_factory=Float8)
 
 
@@ -389,12 +421,37 @@ def validate(cfg: JobConfig) -> None:
     if s.warmup_steps >= t.steps:
         raise ConfigError(f"lr_scheduler.warmup_steps ({s.warmup_steps}) must be below training.steps "
                           f"({t.steps}); lower it or train longer")
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        raise ConfigError(f"data.path: '{cfg.data.path}' does not exist")
+    _validate_data(cfg.data, cfg.validation)
     if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is neither 'byte' nor a folder")
     if cfg.checkpoint.enable:
         raise ConfigError("checkpoint.enable: checkpointing is not available in this version")
+
+
+def _validate_data(d: Data, v: Validation) -> None:
+    from titanlite.sources import check_source, parse_mix
+
+    if d.mix:
+        if d.path:
+            raise ConfigError("data.mix and data.path are both set; put every source in data.mix")
+        if d.streaming:
+            raise ConfigError("data.streaming does not support data.mix; mix local sources instead")
+        for source, _ in parse_mix(d.mix):
+            check_source(source, "data.mix")
+    check_source(d.path)
+    if d.streaming and not d.path:
+        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
+    check_source(v.path, "validation.path")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
+    if v.freq < 0 or v.steps < 1:
+        raise ConfigError(f"validation: need freq >= 0 and steps >= 1, got {v.freq} and {v.steps}")
+    if v.freq and not v.path and d.holdout_fraction == 0:
+        raise ConfigError("validation.freq is set but there is no validation data: set "
+                          "data.holdout_fraction > 0 or validation.path")
+    if v.freq and not v.path and d.streaming:
+        raise ConfigError("validation.freq with data.streaming needs validation.path: a streamed "
+                          "source has no held-out tail")
 
 
 def to_toml(cfg: JobConfig) -> str:

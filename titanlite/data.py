@@ -5,29 +5,26 @@ i is stream[i*L : i*L + L + 1]. Global sample index g lives in epoch g // N at p
 g % N (permuted per epoch when shuffling). Global batch b holds global samples
 [b*G, (b+1)*G); dp rank r takes rows [r*G/D, (r+1)*G/D) in micro-batches. The order of
 global batches thus depends only on the data config, never on the world size, and the
-only loader state is a global cursor.
+only loader state is a global cursor. A mixture interleaves several such sources by a fixed
+per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import sysconfig
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import ConfigError, Data
+from titanlite.config import ConfigError, Data, Validation
+from titanlite.sources import parse_mix, probe_source, read_documents, source_name
 from titanlite.tokenizer import Tokenizer
 
-STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte tokenizer
-_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
 
 
 @dataclass(frozen=True)
@@ -36,72 +33,13 @@ class TokenStream:
     doc_starts: np.ndarray  # int64 offset of each document (kept for document masking)
 
 
-def _stdlib_documents() -> list[str]:
-    """The running interpreter's own standard-library sources, minus tests and packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP_DIRS]
-        files += [Path(folder, n) for n in names if n.endswith(".py")]
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-    docs, total = [], 0
-    for f in files:
-        if total >= STDLIB_MAX_CHARS:
-            break
-        docs.append(f.read_text(encoding="utf-8", errors="replace"))
-        total += len(docs[-1])
-    return docs
-
-
-def _jsonl_documents(path: Path, field: str) -> list[str]:
-    docs = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"data.path: {path} line {lineno}: invalid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ConfigError(f"data.path: {path} line {lineno}: no text field '{field}'; "
-                                  "set data.text_field to the field holding the text")
-            docs.append(record[field])
-    return docs
-
-
-def _file_documents(path: Path, field: str) -> list[str]:
-    if path.suffix == ".jsonl":
-        return _jsonl_documents(path, field)
-    return [path.read_text(encoding="utf-8", errors="replace")]
-
-
-def _read_documents(path: str, field: str) -> list[str]:
-    if not path:
-        return _stdlib_documents()
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"data.path: '{path}' does not exist")
-    if p.is_dir():
-        files = sorted((f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl") and f.is_file()),
-                       key=lambda f: f.relative_to(p).as_posix())
-    elif p.suffix in (".txt", ".jsonl"):
-        files = [p]
-    else:
-        raise ConfigError(f"data.path: '{path}' must be a .txt or .jsonl file or a folder of them")
-    return [doc for f in files for doc in _file_documents(f, field)]
-
-
-def _source_name(path: str) -> str:
-    return f"'{path}'" if path else f"the Python standard library ({sysconfig.get_paths()['stdlib']})"
-
-
-@functools.lru_cache(maxsize=1)  # the train and val loaders share one tokenization pass
-def token_stream(path: str, field: str, tokenizer: Tokenizer) -> TokenStream:
-    """The whole corpus as one read-only token stream (both splits)."""
-    texts = [t for t in _read_documents(path, field) if t]
+@functools.lru_cache(maxsize=8)  # the train and val loaders share one tokenization pass
+def token_stream(path: str, field: str, tokenizer: Tokenizer, split: str = "train") -> TokenStream:
+    """The whole corpus as one read-only token stream (both holdout splits); `split` names
+    the split of a Hugging Face data set."""
+    texts = [t for t in read_documents(path, field, split) if t]
     if not texts:
-        raise ConfigError(f"data.path: no documents with text in {_source_name(path)}")
+        raise ConfigError(f"data.path: no documents with text in {source_name(path)}")
     encode_batch = getattr(tokenizer, "encode_batch", None)
     docs = encode_batch(texts) if encode_batch else [np.asarray(tokenizer.encode(t)) for t in texts]
     tail = np.array([tokenizer.eos_id], dtype=np.uint32)
@@ -136,8 +74,10 @@ def split_stream(stream: TokenStream, holdout_fraction: float, split: str) -> To
 class TokenSamples(Dataset):
     """Map-style: item g is global sample g (any epoch), sliced straight out of the stream."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, shuffle: bool, seed: int) -> None:
+    def __init__(self, stream: TokenStream, seq_len: int, shuffle: bool, seed: int,
+                 source: tuple[int, ...] = ()) -> None:
         self.stream, self.seq_len, self.shuffle, self.seed = stream, seq_len, shuffle, seed
+        self.source = source  # mixture members draw their own permutations
         self.num_samples = max(0, len(stream.tokens) - 1) // seq_len
         self._perm: tuple[int, np.ndarray] | None = None
 
@@ -147,13 +87,60 @@ class TokenSamples(Dataset):
         if not self.shuffle:
             return pos
         if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+            rng = np.random.default_rng([self.seed, epoch, *self.source])
+            self._perm = (epoch, rng.permutation(self.num_samples))
         return int(self._perm[1][pos])
+
+    def epoch(self, g: int) -> int:
+        """Passes over the data completed before global sample g."""
+        return g // self.num_samples
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
         start = self.position(g) * self.seq_len
         s = torch.from_numpy(self.stream.tokens[start:start + self.seq_len + 1].astype(np.int64))
         return {"input_ids": s[:-1], "labels": s[1:]}
+
+
+def mix_schedule(counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One period of a weighted interleave: slot o of the period takes source `which[o]`, its
+    `nth[o]`-th sample of the period. Smooth weighted round-robin spreads each source evenly."""
+    credit = np.zeros(len(counts), dtype=np.int64)
+    which, nth, taken = [], [], [0] * len(counts)
+    for _ in range(sum(counts)):
+        credit += counts
+        k = int(credit.argmax())  # lowest index on ties
+        credit[k] -= sum(counts)
+        which.append(k)
+        nth.append(taken[k])
+        taken[k] += 1
+    return np.array(which), np.array(nth)
+
+
+class MixedSamples(Dataset):
+    """Global sample g of a mixture: period g // P, slot g % P of a fixed schedule in which
+    source k fills counts[k] of the P slots. Source k's own global samples are taken in order,
+    so each source keeps its own epochs and permutations, and the mixture stays a pure
+    function of g (layout-independent)."""
+
+    def __init__(self, parts: list[TokenSamples], counts: list[int]) -> None:
+        self.parts, self.counts, self.period = parts, counts, sum(counts)
+        self.which, self.nth = mix_schedule(counts)
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(source, that source's global sample index) of global sample g."""
+        period, slot = divmod(g, self.period)
+        k = int(self.which[slot])
+        return k, period * self.counts[k] + int(self.nth[slot])
+
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        k, j = self.locate(g)
+        return self.parts[k][j]
+
+    def epoch(self, g: int) -> int:
+        """Passes completed by the most-repeated source before global sample g."""
+        period, slot = divmod(g, self.period)
+        seen = [period * c + int(np.sum(self.which[:slot] == k)) for k, c in enumerate(self.counts)]
+        return max(p.epoch(n) for p, n in zip(self.parts, seen))
 
 
 class GlobalBatchSampler:
@@ -191,27 +178,74 @@ class GlobalBatchSampler:
         self.global_batch, self.micro_batch = state["global_batch"], state["micro_batch"]
 
 
+def mix_counts(weights: list[float]) -> list[int]:
+    """Relative weights -> integer samples per period (MIX_RESOLUTION in all, about)."""
+    total = sum(weights)
+    counts = [round(MIX_RESOLUTION * w / total) for w in weights]
+    if min(counts) < 1:
+        raise ConfigError(f"data.mix: weight {weights[counts.index(0)]} is below 1/{MIX_RESOLUTION} "
+                          "of the total; raise it or drop that source")
+    return counts
+
+
+def _samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: tuple[int, ...] = ()
+             ) -> TokenSamples:
+    stream = split_stream(token_stream(cfg.path, cfg.text_field, tokenizer, cfg.split),
+                          cfg.holdout_fraction, split)
+    samples = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed, source)
+    if source and samples.num_samples < 1:  # a single source gets the batch-size check instead
+        raise ConfigError(f"data: no sample of seq_len {seq_len} fits in the {split} split of "
+                          f"{source_name(cfg.path)} ({len(stream.tokens)} tokens); use more data "
+                          "or a shorter seq_len")
+    return samples
+
+
+def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "train"
+                  ) -> TokenSamples | MixedSamples:
+    """Map-style data set whose item g is global sample g; `split` is "train" or "val" (the
+    held-out tail of every source)."""
+    if cfg.shuffle and cfg.seed < 0:
+        raise ConfigError(f"data.seed must be >= 0 to shuffle, got {cfg.seed}")
+    if split == "val" and cfg.holdout_fraction == 0:
+        raise ConfigError("data.holdout_fraction is 0, so there is no validation split")
+    if not cfg.mix:
+        return _samples(cfg, tokenizer, seq_len, split)
+    mix = parse_mix(cfg.mix)
+    counts = mix_counts([w for _, w in mix])
+    parts = [_samples(replace(cfg, path=path, mix=[]), tokenizer, seq_len, split, (k,))
+             for k, (path, _) in enumerate(mix)]
+    return MixedSamples(parts, counts)
+
+
+def probe_data(data: Data, val: Validation) -> None:
+    """Check every configured source (training, mixture, validation) before starting."""
+    for path in [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]:
+        probe_source(path, data.text_field, data.split)
+    if val.freq and val.path:
+        probe_source(val.path, data.text_field, val.split)
+
+
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,
                      local_batch_size: int, dp_rank: int, dp_degree: int, split: str = "train"
                      ) -> StatefulDataLoader:
     """Infinite loader of this dp rank's micro-batches: {"input_ids", "labels"}, each a
     LongTensor [local_batch_size, seq_len]. The trainer takes
-    global_batch_size // (local_batch_size * dp_degree) of them per optimizer step."""
+    global_batch_size // (local_batch_size * dp_degree) of them per optimizer step.
+    `loader.dataset.epoch(g)` is the epoch count at global sample g."""
     G, L, D = global_batch_size, local_batch_size, dp_degree
     if G < 1 or L < 1 or D < 1 or G % (L * D):
         raise ConfigError(f"training.global_batch_size ({G}) must be divisible by "
                           f"local_batch_size ({L}) x dp degree ({D})")
     if not 0 <= dp_rank < D:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp degree {D}")
-    if cfg.shuffle and cfg.seed < 0:
-        raise ConfigError(f"data.seed must be >= 0 to shuffle, got {cfg.seed}")
-    if split == "val" and cfg.holdout_fraction == 0:
-        raise ConfigError("data.holdout_fraction is 0, so there is no validation split")
-    stream = split_stream(token_stream(cfg.path, cfg.text_field, tokenizer), cfg.holdout_fraction, split)
-    dataset = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed)
-    if dataset.num_samples < G:
+    if cfg.streaming:
+        from titanlite.streaming import build_streaming_loader
+
+        return build_streaming_loader(cfg, tokenizer, seq_len, G, L, dp_rank, D)
+    dataset = build_dataset(cfg, tokenizer, seq_len, split)
+    if isinstance(dataset, TokenSamples) and dataset.num_samples < G:
         raise ConfigError(f"data: only {dataset.num_samples} samples of seq_len {seq_len} in the "
-                          f"{split} split of {_source_name(cfg.path)}; need at least "
+                          f"{split} split of {source_name(cfg.path)}; need at least "
                           f"global_batch_size {G} (use more data, a shorter seq_len or a "
                           "smaller batch)")
     with warnings.catch_warnings():

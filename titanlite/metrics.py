@@ -13,7 +13,8 @@ import torch
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr",
-           "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib"}
+           "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib",
+           "epoch": "data/epoch"}
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -59,7 +60,18 @@ class MetricsLogger:
         mfu = "-" if values["mfu_pct"] is None else f"{values['mfu_pct']:.1f}%"
         print(f"step {step:6d}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.4f}  "
               f"lr {values['lr']:.2e}  tok/s/dev {values['tokens_per_sec']:,.0f}  mfu {mfu}  "
-              f"peak_mem {values['peak_gib']:.2f}GiB  eta {eta_s / 60:.1f}min", flush=True)
+              f"peak_mem {values['peak_gib']:.2f}GiB  eta {eta_s / 60:.1f}min"
+              + ("" if values.get("epoch") is None else f"  epoch {values['epoch']}"), flush=True)
+
+    def log_validation(self, step: int, loss: float) -> None:
+        """A row of its own: {"step", "val_loss"}; TensorBoard tag loss/validation."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            self.writer.add_scalar("loss/validation", loss, step)
+        print(f"step {step:6d}  val_loss {loss:.4f}", flush=True)
 
     def close(self) -> None:
         if self.enabled:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,10 @@ class ParallelizeOptions:
     reshard_after_forward: str
     activation_checkpoint: ActivationCheckpoint
     compile: Compile
+    loss_parallel: bool = False
+    """Leave the logits sharded on vocab (a DTensor) for a loss-parallel cross-entropy."""
+    sequence_parallel: bool = True
+    """With TP, shard the sequence between blocks (norms and residual stream)."""
     float8: Float8 = Float8()
 
 
@@ -89,13 +94,50 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, opts: 
 
 
 @torch.no_grad()
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's layout.
+
+    Without FSDP (which does this itself), a replicated parameter used on sharded
+    activations (a sequence-parallel norm) gets a Partial gradient and a row-wise
+    embedding a Replicate one. Reducing once here spares the optimizer from doing
+    it in every foreach op, and lets the norm below count each shard once.
+    """
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def _owns(g: torch.Tensor) -> bool:
+    """Whether this rank counts this gradient shard, so that each distinct shard counts once."""
+    if not isinstance(g, DTensor):
+        return not dist.is_initialized() or dist.get_rank() == 0  # the same on every rank
+    if any(pl.is_partial() for pl in g.placements):
+        raise RuntimeError(f"clip_grad_norm_: gradient with placements {g.placements} is not reduced; "
+                           "call reduce_partial_grads first")
+    if g.device_mesh.size() != dist.get_world_size():
+        raise RuntimeError(f"clip_grad_norm_: gradient on {g.device_mesh} does not span all ranks; "
+                           "parallelize every parameter over the whole mesh")
+    coord = g.device_mesh.get_coordinate()
+    return not any(c and pl.is_replicate() for c, pl in zip(coord, g.placements))
+
+
+@torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm."""
+    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm.
+
+    Each rank squares the norm of the gradient shards it owns (a shard replicated over
+    HSDP replicas or TP ranks is owned once), and one all-reduce over all ranks sums
+    the squares, whatever the mesh, instead of one reduction per mesh dimension.
+    """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        # Partial over the sharded mesh dims: one all-reduce makes it the true global norm
-        norm = norm.full_tensor()
+    owned = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _owns(g)]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), device=device)
+    if owned:
+        sq += torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

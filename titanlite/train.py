@@ -21,14 +21,15 @@ import torch.distributed as dist
 from titanlite import config, float8, gc_control
 from titanlite.attention import AttnContext
 from titanlite.config import ConfigError, JobConfig
-from titanlite.data import build_dataloader
+from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
-from titanlite.loss import IGNORE_INDEX, build_loss_fn
+from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_
+from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
 from titanlite.tokenizer import Tokenizer, build_tokenizer
+from titanlite.validate import Validator
 
 
 @dataclass
@@ -48,8 +49,13 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
     spec.validate(args, dims)
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % dims.tp:
+        raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
+                          f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
+                          "change one or set parallelism.sequence_parallel = false")
     float8.preflight(cfg.float8, cfg.training.device, dims.tp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
+    probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -84,6 +90,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel,
                               float8=cfg.float8)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
@@ -109,29 +117,46 @@ def train(cfg: JobConfig, plan: Plan) -> None:
               f"{device.type}, {param_dtype}", flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
-    loss_fn = build_loss_fn(cfg.compile)
+    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
     float8_scales = float8.needs_scale_precompute(cfg.float8, dims.fsdp)
     data_iter = iter(loader)
+    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                          t.local_batch_size, dp_rank, dims.dp, loss_group)
+
+    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a loader micro-batch, on the device (training and validation)."""
+        # pinned host memory on GPU: the copies overlap with compute
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Cross-entropy summed over the target tokens of a prepared micro-batch.
+        Call inside loss_context(): loss parallel must also cover the backward."""
+        with autocast:
+            logits = model(batch["input_ids"], AttnContext())
+        return loss_fn(logits, batch["labels"])
+
+    def eval_loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with loss_context(opts.loss_parallel):
+            return loss_sum_of(batch)
+
     gc_control.start(t.gc_freq)
     start = last_log = time.perf_counter()
     last_log_step = 0
 
     for step in range(1, t.steps + 1):
-        batches = [next(data_iter) for _ in range(accum)]
-        # counted on the host; a non-blocking copy, so no device sync
-        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).to(device, non_blocking=True)
+        batches = [prepare(next(data_iter)) for _ in range(accum)]
+        n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(n_targets, group=loss_group)
         loss_sum = torch.zeros((), device=device)
         for batch in batches:
-            # pinned host memory on GPU: the copies overlap with compute
-            inputs = batch["input_ids"].to(device, non_blocking=True)
-            labels = batch["labels"].to(device, non_blocking=True)
-            with autocast:
-                logits = model(inputs, AttnContext())
-            loss = loss_fn(logits, labels)
-            (loss / n_targets).backward()
+            with loss_context(opts.loss_parallel):
+                loss = loss_sum_of(batch)
+                (loss / n_targets).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_([p for p in model.parameters()], t.max_norm)
+        params = list(model.parameters())
+        reduce_partial_grads(params)
+        grad_norm = clip_grad_norm_(params, t.max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -148,8 +173,14 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             eta = (now - start) / step * (t.steps - step)
             metrics.log(step, {"loss": (loss_sum / n_targets).item(), "grad_norm": grad_norm.item(), "lr": lr,
                                "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device)}, eta)
+                               "peak_gib": peak_memory_gib(device),
+                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
+                        eta)
             last_log, last_log_step = now, step
+        if validator.due(step, t.steps):
+            val_start = time.perf_counter()
+            metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
+            last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     gc_control.stop(t.gc_freq)
     metrics.close()
@@ -157,6 +188,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     done = Path(cfg.job.dump_folder) / "status"
     done.mkdir(parents=True, exist_ok=True)
     (done / f"rank-{rank}.done").write_text(json.dumps({"step": t.steps}))
+    # Every marker exists before any rank starts tearing down (gloo may abort there)
+    dist.barrier()
 
 
 def main(argv: list[str] | None = None) -> None:

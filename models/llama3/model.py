@@ -153,6 +153,10 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
         out_std = self.args.dim ** -0.5
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # to_empty from meta gives each module its own copy of a plain shared parameter
+            # (DTensor parameters are swapped in place and stay shared): tie them again
+            self.output.weight = self.tok_embeddings.weight
         if not self.args.tie_embeddings:
             init.normal_(self.tok_embeddings.weight, 1.0, gen)
         for layer in self.layers.values():

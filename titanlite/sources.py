@@ -1,0 +1,240 @@
+"""Document sources: where the text comes from, as a list (or, streaming, an iterator) of strings.
+
+A source string is one of
+  ""                    the running interpreter's standard-library sources (built in)
+  a file or folder      .txt (one document per file), .jsonl (one per line), .parquet (one per row)
+  a `save_to_disk` folder   a Hugging Face `datasets` Dataset or DatasetDict
+  "hf:NAME[:CONFIG]"    a Hugging Face data set loaded with `datasets.load_dataset`
+Every order here is fixed by the source alone: files sorted by relative path, rows in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from titanlite.config import ConfigError
+
+STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte tokenizer
+_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def source_name(path: str) -> str:
+    return f"'{path}'" if path else f"the Python standard library ({sysconfig.get_paths()['stdlib']})"
+
+
+def check_source(path: str, key: str = "data.path") -> None:
+    """Cheap existence check for config validation (no files are read)."""
+    if path and not path.startswith("hf:") and not Path(path).exists():
+        raise ConfigError(f"{key}: '{path}' does not exist")
+
+
+def _stdlib_documents() -> list[str]:
+    """The running interpreter's own standard-library sources, minus tests and packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP_DIRS]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    docs, total = [], 0
+    for f in files:
+        if total >= STDLIB_MAX_CHARS:
+            break
+        docs.append(f.read_text(encoding="utf-8", errors="replace"))
+        total += len(docs[-1])
+    return docs
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data.path: {path} line {lineno}: invalid JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise ConfigError(f"data.path: {path} line {lineno}: no text field '{field}'; "
+                                  "set data.text_field to the field holding the text")
+            yield record[field]
+
+
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("data.path: reading .parquet files needs pyarrow; "
+                          "pip install 'titanlite[data]' (or pip install pyarrow)") from None
+    return pq
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    pq = _pyarrow_parquet()
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ConfigError(f"data.path: {path}: not a readable parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ConfigError(f"data.path: {path} has no column '{field}' (columns: {', '.join(names)}); "
+                          "set data.text_field to the column holding the text")
+    for batch in pf.iter_batches(columns=[field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise ConfigError(f"data.path: {path} column '{field}' holds {type(text).__name__}, "
+                                  "not text; set data.text_field to a string column")
+            yield text or ""
+
+
+def _file_documents(path: Path, field: str) -> Iterator[str]:
+    if path.suffix == ".jsonl":
+        yield from _jsonl_documents(path, field)
+    elif path.suffix == ".parquet":
+        yield from _parquet_documents(path, field)
+    else:
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _files(p: Path) -> list[Path]:
+    if p.is_dir():
+        return sorted((f for f in p.rglob("*") if f.suffix in FILE_SUFFIXES and f.is_file()),
+                      key=lambda f: f.relative_to(p).as_posix())
+    if p.suffix in FILE_SUFFIXES:
+        return [p]
+    raise ConfigError(f"data.path: '{p}' must be a .txt, .jsonl or .parquet file, a folder of them, "
+                      "a datasets save_to_disk folder or hf:NAME")
+
+
+def _is_hf_disk(p: Path) -> bool:
+    return p.is_dir() and any((p / m).is_file() for m in _HF_DISK_MARKERS)
+
+
+def _check_column(ds, path: str, field: str) -> None:
+    names = ds.column_names
+    if names is not None and field not in names:  # None: a streamed source whose schema is unknown yet
+        raise ConfigError(f"data.path: {path} has no column '{field}' (columns: {', '.join(names)}); "
+                          "set data.text_field to the column holding the text")
+
+
+def _hf_dataset(path: str, split: str, streaming: bool):
+    """A `datasets` Dataset (or IterableDataset when streaming) for an HF source or local files."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.path: '{path}' needs the datasets package; "
+                          "pip install 'titanlite[data]' (or pip install datasets)") from None
+    datasets.disable_progress_bars()
+    p = Path(path)
+    if path.startswith("hf:"):
+        name, _, subset = path[3:].partition(":")
+        try:
+            return datasets.load_dataset(name, subset or None, split=split, streaming=streaming)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise ConfigError(f"data.path: cannot load '{path}' split '{split}': {e}") from None
+    if _is_hf_disk(p):
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ConfigError(f"data.split: '{path}' has no split '{split}' "
+                                  f"(splits: {', '.join(ds)})")
+            ds = ds[split]
+        return ds.to_iterable_dataset() if streaming else ds
+    files = _files(p)
+    if not files:
+        raise ConfigError(f"data.path: no .txt, .jsonl or .parquet files in '{path}'")
+    suffixes = {f.suffix for f in files}
+    if len(suffixes) > 1:
+        raise ConfigError(f"data.path: streaming '{path}' needs files of one kind, found "
+                          f"{', '.join(sorted(suffixes))}; split them into a data.mix")
+    builder = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}[suffixes.pop()]
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                 streaming=streaming, **kwargs)
+
+
+def read_documents(path: str, field: str, split: str) -> list[str]:
+    """All documents of a source, in the source's own order."""
+    if not path:
+        return _stdlib_documents()
+    p = Path(path)
+    if path.startswith("hf:") or _is_hf_disk(p):
+        ds = _hf_dataset(path, split, streaming=False)
+        _check_column(ds, path, field)
+        return [t or "" for t in ds[field]]
+    if not p.exists():
+        raise ConfigError(f"data.path: '{path}' does not exist")
+    return [doc for f in _files(p) for doc in _file_documents(f, field)]
+
+
+def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool, epoch: int,
+                     buffer_size: int) -> Iterator[str]:
+    """One pass over a source without reading it whole; shuffled within a buffer by (seed, epoch)."""
+    if not path:
+        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
+    if not (path.startswith("hf:") or Path(path).exists()):
+        raise ConfigError(f"data.path: '{path}' does not exist")
+    ds = _hf_dataset(path, split, streaming=True)
+    _check_column(ds, path, field)
+    if shuffle:
+        ds = ds.shuffle(seed=seed, buffer_size=buffer_size)
+        ds.set_epoch(epoch)
+    # .iter() reads every shard even inside a DataLoader worker (plain iteration would split
+    # shards across workers, and every worker here needs the whole stream)
+    for n, batch in enumerate(ds.iter(batch_size=256)):
+        texts = batch.get(field)
+        bad = texts is None or any(t is not None and not isinstance(t, str) for t in texts)
+        if bad:
+            raise ConfigError(f"data.path: {path} records {256 * n + 1}-{256 * (n + 1)} have no text "
+                              f"field '{field}'; set data.text_field to the field holding the text")
+        yield from (t or "" for t in texts)
+
+
+def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
+    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
+    out = []
+    for entry in spec:
+        source, colon, weight = entry.strip().rpartition(":")
+        try:
+            w = float(weight) if colon else float("nan")
+        except ValueError:
+            w = float("nan")
+        if not w > 0 or w == float("inf"):
+            raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
+                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
+        if source in (s for s, _ in out):
+            raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
+        out.append((source, w))
+    if len(out) < 2:
+        raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
+    return out
+
+
+def probe_source(path: str, field: str, split: str) -> None:
+    """Cheap pre-start check that a source can be read: files exist, columns and splits are
+    there (parquet schemas, the first jsonl record, save_to_disk metadata). Remote hf: data
+    sets are only checked when loaded."""
+    if not path or path.startswith("hf:"):
+        return
+    p = Path(path)
+    if _is_hf_disk(p):
+        _check_column(_hf_dataset(path, split, streaming=False), path, field)
+        return
+    check_source(path)
+    files = _files(p)
+    if not files:
+        raise ConfigError(f"data.path: no .txt, .jsonl or .parquet files in '{path}'")
+    for f in files:
+        if f.suffix == ".parquet":
+            names = _pyarrow_parquet().read_schema(f).names
+            if field not in names:
+                raise ConfigError(f"data.path: {f} has no column '{field}' (columns: {', '.join(names)}); "
+                                  "set data.text_field to the column holding the text")
+        elif f.suffix == ".jsonl":
+            next(_jsonl_documents(f, field), None)

@@ -1,0 +1,79 @@
+"""Validation: the mean token loss over the same `validation.steps` global batches every time.
+
+Each rank sums the token losses and target counts of its micro-batches; one all-reduce over
+the loss mesh (dp x cp) gives sum / count over the whole validation set, so the value does
+not depend on the parallel layout or on how a global batch is split into micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.config import ConfigError, Data, Validation
+from titanlite.data import build_dataloader
+from titanlite.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+def validation_data(val: Validation, data: Data) -> tuple[Data, str]:
+    """The data config and holdout split the validation loader reads, in a fixed order."""
+    if val.path:
+        return replace(data, path=val.path, split=val.split, mix=[], holdout_fraction=0.0,
+                       shuffle=False, num_workers=0), "train"
+    return replace(data, shuffle=False, num_workers=0), "val"
+
+
+@dataclass
+class Validator:
+    val: Validation
+    data: Data
+    tokenizer: Tokenizer
+    seq_len: int
+    global_batch_size: int
+    local_batch_size: int
+    dp_rank: int
+    dp_degree: int
+    group: dist.ProcessGroup | None
+
+    def __post_init__(self) -> None:
+        # Built up front so a bad validation source fails before training starts
+        self.loader = None
+        if self.val.freq > 0:
+            cfg, split = validation_data(self.val, self.data)
+            self.loader = build_dataloader(cfg, self.tokenizer, seq_len=self.seq_len,
+                                           global_batch_size=self.global_batch_size,
+                                           local_batch_size=self.local_batch_size,
+                                           dp_rank=self.dp_rank, dp_degree=self.dp_degree, split=split)
+            self.start = self.loader.state_dict()
+            n = getattr(self.loader.dataset, "num_samples", None)  # streams and mixtures: unknown
+            if n is not None and self.val.steps * self.global_batch_size > n:
+                raise ConfigError(f"validation.steps {self.val.steps} x global batch {self.global_batch_size} "
+                                  f"is more than the {n} validation samples; lower validation.steps "
+                                  "(each evaluation reads every sample at most once)")
+
+    def due(self, step: int, last_step: int) -> bool:
+        return self.val.freq > 0 and (step % self.val.freq == 0 or step == last_step)
+
+    def __call__(self, model: nn.Module, prepare: Callable[[dict], dict],
+                 loss_sum: Callable[[dict], torch.Tensor], device: torch.device) -> float:
+        """Mean validation loss. `prepare` turns a loader micro-batch into this rank's part of it
+        (as in training, so targets are counted once over dp x cp); `loss_sum` is the
+        trainer's summed token loss of a prepared micro-batch."""
+        self.loader.load_state_dict(self.start)  # the same batches every time
+        accum = self.global_batch_size // (self.local_batch_size * self.dp_degree)
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target count
+        model.eval()
+        with torch.no_grad():
+            for raw, _ in zip(self.loader, range(self.val.steps * accum)):
+                batch = prepare(raw)
+                totals[0] += loss_sum(batch).double()
+                totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
+        model.train()
+        dist.all_reduce(totals, group=self.group)
+        return (totals[0] / totals[1]).item()
