@@ -91,3 +91,13 @@ def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
     for measured in result["tensor_peak_gib_per_rank"]:
         rel = abs(est.total / 2**30 - measured) / measured
         assert rel <= 0.2, f"estimate {est.total / 2**30:.4f} GiB vs measured {measured:.4f} GiB ({rel:.0%})"
+
+
+def test_compile_with_tensor_parallel_is_refused_before_launch():
+    from titanlite import config
+    from titanlite.config import ConfigError
+    from titanlite.train import preflight
+
+    cfg, _ = config.load([*TINY, "--compile.enable", "true", "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="compile.enable: compiling blocks with tensor parallelism"):
+        preflight(cfg, 2)

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.config import ActivationCheckpoint, Compile, Float8
+from titanlite.config import ActivationCheckpoint, Compile, ConfigError, Float8
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,16 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
                 context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy))
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
             blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
+
+
+def check_compile(cfg: Compile, tp: int) -> None:
+    """Refuse what is known not to work, before launch."""
+    if cfg.enable and "model" in cfg.components and tp > 1:
+        # the compiled block's backward hands DTensor's redistribute a plain tensor
+        # (AttributeError '_local_tensor', torch 2.13, CPU/gloo): not supported yet
+        raise ConfigError("compile.enable: compiling blocks with tensor parallelism is not supported yet; "
+                          "set parallelism.tensor_parallel_degree 1, or compile.components loss, "
+                          "or compile.enable false")
 
 
 def apply_compile(blocks: nn.ModuleDict) -> None:

@@ -27,7 +27,7 @@ from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
+from titanlite.parallel import ParallelizeOptions, check_compile, clip_grad_norm_, reduce_partial_grads
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
 
@@ -54,6 +54,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                           f"parallelism.tensor_parallel_degree {dims.tp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
     float8.preflight(cfg.float8, cfg.training.device, dims.tp)
+    check_compile(cfg.compile, dims.tp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
