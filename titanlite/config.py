@@ -73,6 +73,9 @@ class Training:
     (no optimizer update; the data and LR schedule still advance)."""
     max_skipped_steps: int = 10
     """With on_nonfinite = skip, the most steps a run may skip; one more stops it."""
+    gc_freq: int = 50
+    """Run Python's garbage collector by hand every N steps (automatic collection is switched
+    off during training, so pauses land on known steps); 0 leaves Python's automatic collection on."""
 
 
 @dataclass(frozen=True)
@@ -214,15 +217,31 @@ class Validation:
 @dataclass(frozen=True)
 class ActivationCheckpoint:
     mode: str = "none"
-    """none, full, or selective (every `selective_every`-th block)."""
+    """none, full, or selective (see selective_type)."""
     selective_every: int = 2
     """With selective mode, checkpoint every N-th transformer block."""
+    selective_type: str = "layer"
+    """With selective mode: layer (every `selective_every`-th block recomputed whole) or op (every
+    block keeps its matmul and attention outputs and recomputes the cheap ops between them)."""
 
 
 @dataclass(frozen=True)
 class Compile:
     enable: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block (fullgraph) and the components listed below."""
+    components: list[str] = field(default_factory=lambda: ["model"])
+    """What to compile when enabled: model (each transformer block) and/or loss."""
+
+
+@dataclass(frozen=True)
+class Float8:
+    enable: bool = False
+    """Train the Linear layers inside transformer blocks in float8 through torchao
+    (H100/H200-class CUDA GPUs; install the `float8` extra)."""
+    enable_fsdp_float8_all_gather: bool = True
+    """With FSDP, all-gather float8 weights instead of the parameter dtype (less traffic)."""
+    recipe: str = "tensorwise"
+    """torchao float8 scaling recipe: tensorwise, rowwise or rowwise_with_gw_hp."""
 
 
 @dataclass(frozen=True)
@@ -265,6 +284,7 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
+    float8: Float8 = field(default_factory=Float8)
 
 
 def _sections() -> dict[str, type]:
@@ -454,6 +474,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"profiling: the window of steps {pr.start_step}..{pr.start_step + pr.num_steps - 1} "
                           f"ends after training.steps ({t.steps}); lower profiling.start_step or num_steps")
     _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
+    _choice("activation_checkpoint.selective_type", cfg.activation_checkpoint.selective_type, ("layer", "op"))
+    for component in cfg.compile.components:
+        _choice("compile.components", component, ("model", "loss"))
+    _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    if t.gc_freq < 0:
+        raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic), got {t.gc_freq}")
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     if s.warmup_steps >= t.steps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -11,8 +12,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.config import ActivationCheckpoint, Compile
+from titanlite.config import ActivationCheckpoint, Compile, ConfigError, Float8
 
 
 @dataclass(frozen=True)
@@ -28,19 +30,55 @@ class ParallelizeOptions:
     """Leave the logits sharded on vocab (a DTensor) for a loss-parallel cross-entropy."""
     sequence_parallel: bool = True
     """With TP, shard the sequence between blocks (norms and residual stream)."""
+    float8: Float8 = Float8()
+
+
+# Per-op selective AC keeps the outputs of these ops (the expensive ones: matmuls,
+# attention, and collectives that TP/CP would otherwise repeat) and recomputes the
+# cheap elementwise ops between them (norms, RoPE, SiLU, residual adds).
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
-    """Recompute block activations in backward: all blocks (full) or every N-th (selective)."""
+    """Recompute activations in backward: every block whole (full), every N-th block whole
+    (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
     if cfg.mode == "none":
         return
     for i, name in enumerate(list(blocks.keys())):
-        if cfg.mode == "full" or i % cfg.selective_every == 0:
+        if cfg.mode == "selective" and cfg.selective_type == "op":
+            blocks[name] = checkpoint_wrapper(
+                blocks[name], preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy))
+        elif cfg.mode == "full" or i % cfg.selective_every == 0:
             blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
 
 
+def check_compile(cfg: Compile, tp: int) -> None:
+    """Refuse what is known not to work, before launch."""
+    if cfg.enable and "model" in cfg.components and tp > 1:
+        # the compiled block's backward hands DTensor's redistribute a plain tensor
+        # (AttributeError '_local_tensor', torch 2.13, CPU/gloo): not supported yet
+        raise ConfigError("compile.enable: compiling blocks with tensor parallelism is not supported yet; "
+                          "set parallelism.tensor_parallel_degree 1, or compile.components loss, "
+                          "or compile.enable false")
+
+
 def apply_compile(blocks: nn.ModuleDict) -> None:
-    """Compile each block in place, so parameter names (and checkpoints) are unchanged."""
+    """Compile each block in place, so parameter names (and checkpoints) are unchanged.
+    Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
+    hooks stay outside the compiled region)."""
     for block in blocks.values():
         block.compile(fullgraph=True)
 

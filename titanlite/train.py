@@ -20,18 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite import config, context_parallel, fault
+from titanlite import config, context_parallel, fault, float8, gc_control
 from titanlite.attention import AttnContext
 from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_dataloader, probe_data
 from titanlite.dist import ParallelDims, init_process_group, pick_device
 from titanlite.fault import Guard, RunError, enable_flight_recorder
-from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
+from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, clip_grad_norm_, reduce_partial_grads
+from titanlite.parallel import ParallelizeOptions, check_compile, clip_grad_norm_, reduce_partial_grads
 from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
@@ -61,6 +61,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
                           f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
+    float8.preflight(cfg.float8, cfg.training.device, dims.tp)
+    check_compile(cfg.compile, dims.tp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
@@ -117,7 +119,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                               reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
                               loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
-                              sequence_parallel=cfg.parallelism.sequence_parallel)
+                              sequence_parallel=cfg.parallelism.sequence_parallel,
+                              float8=cfg.float8)
     plan.spec.parallelize(model, meshes, opts)
     model.to_empty(device=device)
     model.init_weights(torch.Generator(device).manual_seed(t.seed))
@@ -153,6 +156,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
               f"{device.type}, {param_dtype}", flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
+    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+    float8_scales = float8.needs_scale_precompute(cfg.float8, dims.fsdp)
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
@@ -160,7 +165,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a loader micro-batch, on the device (training and validation)."""
-        batch = {k: v.to(device) for k, v in batch.items()}
+        # pinned host memory on GPU: the copies overlap with compute
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         return context_parallel.shard_batch(batch, cp_rank, dims.cp) if cp_group is not None else batch
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -169,12 +175,13 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), cp_group, param_dtype)
         with autocast:
             logits = model(batch["input_ids"], ctx)
-        return cross_entropy_sum(logits, batch["labels"])
+        return loss_fn(logits, batch["labels"])
 
     def eval_loss_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with loss_context(opts.loss_parallel):
             return loss_sum_of(batch)
 
+    gc_control.start(t.gc_freq)
     start = last_log = time.perf_counter()
     last_log_step = start_step
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
@@ -203,6 +210,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if float8_scales:
+            float8.precompute_scales(model)
+        gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         guard.start_save()
         ckpt.maybe_save(step, force=stop)
@@ -228,6 +238,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             metrics.log_validation(step, validator(model, prepare, eval_loss_sum, device))
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
+    gc_control.stop(t.gc_freq)
     ckpt.close()
     guard.close()
     metrics.close()

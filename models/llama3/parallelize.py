@@ -1,4 +1,4 @@
-"""How Llama 3 is parallelized. Order matters: TP, CP, AC, compile, then FSDP."""
+"""How Llama 3 is parallelized. Order matters: float8, TP, CP, AC, compile, then FSDP."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from titanlite.config import ConfigError
 from titanlite.dist import Meshes, ParallelDims
+from titanlite.float8 import apply_float8
 from titanlite.parallel import ParallelizeOptions, apply_ac, apply_compile, apply_fsdp
 
 from .model import ModelArgs
@@ -91,6 +92,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool, sequence_p
 
 
 def parallelize(model: nn.Module, meshes: Meshes, opts: ParallelizeOptions) -> None:
+    if opts.float8.enable:
+        apply_float8(model.layers, opts.float8, fsdp=meshes.dims.fsdp)
     if meshes.dims.tp > 1:
         apply_tp(model, meshes.tp, opts.loss_parallel, opts.sequence_parallel)
     apply_ac(model.layers, opts.activation_checkpoint)

@@ -1,0 +1,103 @@
+"""Activation checkpointing and torch.compile change speed and memory, never the numbers."""
+
+import subprocess
+import sys
+
+import pytest
+from harness import REPO, TINY, _env, assert_parity, reference, train
+
+GLOBAL8 = [*TINY, "--training.global_batch_size", "8"]
+COMPILE = ["--compile.enable", "true", "--compile.components", "model,loss"]
+
+
+@pytest.mark.parametrize("ac", [["full"], ["selective", "--activation_checkpoint.selective_type", "layer"],
+                                ["selective", "--activation_checkpoint.selective_type", "op"]])
+def test_activation_checkpointing_matches_no_ac(ac):
+    ref = reference(TINY)
+    run = train(1, [*TINY, "--activation_checkpoint.mode", *ac])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-6, rtol=1e-6)
+
+
+def test_compile_matches_eager():
+    ref = reference(TINY)
+    run = train(1, [*TINY, *COMPILE])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
+
+
+def test_compile_with_fsdp_and_per_op_ac_matches_single_process():
+    ref = reference([*GLOBAL8, "--training.local_batch_size", "8"])
+    run = train(2, [*GLOBAL8, *COMPILE, "--activation_checkpoint.mode", "selective",
+                    "--activation_checkpoint.selective_type", "op"])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
+
+
+def test_float8_without_cuda_or_torchao_is_one_clear_line():
+    proc = subprocess.run([sys.executable, "-m", "titanlite.train", *TINY, "--float8.enable", "true"],
+                          capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error: float8.enable:"), proc.stderr
+
+
+def _forward_retained_bytes(mode: str, selective_type: str = "layer") -> int:
+    """Tensor bytes still allocated after one forward of the debug model (batch 4, seq 64):
+    the activations kept for backward, plus the logits."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.llama3 import SPEC, flavors
+    from titanlite.config import ActivationCheckpoint
+    from titanlite.parallel import apply_ac
+
+    args = flavors["debugmodel"]
+    model = SPEC.build(args)
+    model.init_weights(torch.Generator().manual_seed(0))
+    apply_ac(model.layers, ActivationCheckpoint(mode=mode, selective_every=2, selective_type=selective_type))
+    tokens = torch.randint(0, args.vocab_size, (4, 64))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = model(tokens)
+    retained = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    logits.sum().backward()  # the graph is complete: recomputation works
+    return retained
+
+
+def test_activation_checkpointing_saves_less():
+    none, full = _forward_retained_bytes("none"), _forward_retained_bytes("full")
+    layer, op = _forward_retained_bytes("selective", "layer"), _forward_retained_bytes("selective", "op")
+    assert full < layer < none and full < op < none, (none, layer, op, full)
+
+
+def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
+    """The benchmark runs 2 FSDP ranks end to end, and the estimator, which allocates nothing,
+    lands within 20% of the tensor peak the profiler measured on every rank."""
+    import json
+
+    from titanlite import config
+    from titanlite.estimate import estimate
+
+    job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4"]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "titanlite.bench", "--ngpu", "2", "--warmup", "1", "--steps", "2",
+                           "--track-memory", "--out", str(out), *job, "--job.dump_folder", str(tmp_path)],
+                          capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tok/s/dev" in proc.stdout
+    (result,) = json.loads(out.read_text())["results"]
+    tokens_per_step = 4 * 64  # per rank
+    assert abs(result["tokens_per_sec_per_device"] * result["ms_per_step"] / 1000 - tokens_per_step) < 1e-6 * tokens_per_step
+    assert 0 < result["mfu_pct"] and result["matmul_tflops_measured"] > 0
+    cfg, _ = config.load(job)
+    est, _ = estimate(cfg, 2)
+    for measured in result["tensor_peak_gib_per_rank"]:
+        rel = abs(est.total / 2**30 - measured) / measured
+        assert rel <= 0.2, f"estimate {est.total / 2**30:.4f} GiB vs measured {measured:.4f} GiB ({rel:.0%})"
+
+
+def test_compile_with_tensor_parallel_is_refused_before_launch():
+    from titanlite import config
+    from titanlite.config import ConfigError
+    from titanlite.train import preflight
+
+    cfg, _ = config.load([*TINY, "--compile.enable", "true", "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="compile.enable: compiling blocks with tensor parallelism"):
+        preflight(cfg, 2)

@@ -1,0 +1,60 @@
+"""Float8 training of the Linear layers inside transformer blocks, through torchao.
+
+Only H100/H200-class GPUs (compute capability >= 8.9) have float8 matmuls. Everything is
+checked in preflight so an unsupported build or machine fails with one line before launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+
+from titanlite.config import ConfigError, Float8
+
+
+def preflight(cfg: Float8, device: str, tp: int) -> None:
+    """Refuse float8 where it cannot run: no torchao, no CUDA, a pre-Hopper GPU, or TP."""
+    if not cfg.enable:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("float8.enable: torchao is not installed; `pip install 'titanlite[float8]'` "
+                          "or set --float8.enable false")
+    if device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("float8.enable: float8 training needs a CUDA GPU (H100/H200 class); "
+                          "set --float8.enable false on this machine")
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise ConfigError(f"float8.enable: {torch.cuda.get_device_name()} has no float8 matmuls "
+                          "(needs compute capability >= 8.9, e.g. H100); set --float8.enable false")
+    if tp > 1:
+        raise ConfigError("float8.enable: float8 with tensor parallelism is not supported yet; "
+                          "set parallelism.tensor_parallel_degree 1 or --float8.enable false")
+
+
+def _fits(module: nn.Module, fqn: str) -> bool:
+    # float8 matmuls need both Linear dims divisible by 16
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
+    """Swap each block's nn.Linear for torchao's Float8Linear; embeddings and output stay as they are."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if cfg.recipe == "tensorwise":
+        f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp and cfg.enable_fsdp_float8_all_gather)
+    else:
+        f8 = Float8LinearConfig.from_recipe_name(cfg.recipe)
+    for name in list(blocks.keys()):
+        blocks[name] = convert_to_float8_training(blocks[name], config=f8, module_filter_fn=_fits)
+
+
+def needs_scale_precompute(cfg: Float8, fsdp: bool) -> bool:
+    return cfg.enable and fsdp and cfg.recipe == "tensorwise" and cfg.enable_fsdp_float8_all_gather
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After the optimizer step: one all-reduce for every float8 weight scale, instead of one each."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
