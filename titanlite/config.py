@@ -453,8 +453,16 @@ def validate(cfg: JobConfig) -> None:
                           f"the world), got {p.data_parallel_shard_degree}")
     if t.global_batch_size < 1 and t.global_batch_size != -1:
         raise ConfigError(f"training.global_batch_size must be >= 1 or -1, got {t.global_batch_size}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+    for key, val in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        if not 0.0 <= val < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {val}")
+    for key, val in [("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay),
+                     ("model.vocab_size", cfg.model.vocab_size)]:
+        if val < 0:
+            raise ConfigError(f"{key} must be >= 0, got {val}")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
