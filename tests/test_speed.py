@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from harness import REPO, TINY, _env, assert_parity, reference, train
 
 GLOBAL8 = [*TINY, "--training.global_batch_size", "8"]
@@ -65,6 +66,25 @@ def test_activation_checkpointing_saves_less():
     none, full = _forward_retained_bytes("none"), _forward_retained_bytes("full")
     layer, op = _forward_retained_bytes("selective", "layer"), _forward_retained_bytes("selective", "op")
     assert full < layer < none and full < op < none, (none, layer, op, full)
+
+
+def test_tensor_peak_counts_every_free_but_leaves_out_collective_scratch():
+    """A buffer made inside a collective and freed on another thread (as gloo's worker does)
+    must not leak into the peak; a plain tensor freed on the main thread must leave it."""
+    import threading
+
+    from titanlite.bench import tensor_memory_peak
+
+    out, held = {"device": "cpu"}, []
+    with tensor_memory_peak(True, out):
+        a = torch.empty(1 << 20)  # 4 MiB
+        del a
+        with torch.profiler.record_function("c10d::fake_collective"):
+            held.append(torch.empty(1 << 21))  # 8 MiB of scratch
+        threading.Thread(target=held.clear).start()
+        b = torch.empty(1 << 19)  # 2 MiB, still live at the end
+    assert out["tensor_peak_gib"] * 2**30 == 4 * 2**20, out
+    del b
 
 
 def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):

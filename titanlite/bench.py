@@ -121,14 +121,35 @@ def tensor_memory_peak(enabled: bool, out: dict):
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    out["tensor_peak_gib"] = _peak_bytes(prof.profiler.kineto_results.experimental_event_tree(), out["device"]) / 2**30
+
+
+def _peak_bytes(roots: list, device: str) -> int:
+    """Replay allocations and frees in time order, leaving out the scratch copies gloo makes
+    inside collectives: NCCL makes none, and gloo's worker thread, which the profiler does not
+    see, often frees them, so counting them would leak their bytes at random."""
+    events, stack = [], [(node, False) for node in roots]
+    while stack:
+        node, in_collective = stack.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and str(fields.device).startswith(device):
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size, in_collective))
+        in_collective = in_collective or node.name.startswith(("c10d::", "gloo:"))
+        stack.extend((child, in_collective) for child in node.children)
+    scratch: set[int] = set()
     live = peak = 0
-    for e in events:
-        if e.device_type().name.lower() == out["device"]:
-            live += e.nbytes()
-            peak = max(peak, live)
-    out["tensor_peak_gib"] = peak / 2**30
+    for _, ptr, nbytes, in_collective in sorted(events, key=lambda e: e[0]):
+        if nbytes > 0 and in_collective:
+            scratch.add(ptr)
+        elif nbytes > 0:
+            scratch.discard(ptr)  # the scratch copy that lived here was freed unseen
+            live += nbytes
+        elif ptr in scratch:
+            scratch.discard(ptr)
+        else:
+            live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def _timed_window(rows: list[dict], warmup: int, tokens_per_step: float) -> float:

@@ -108,10 +108,10 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
         recompute = none - block_activation_elems(args, "selective", 1, "op") / n
     backward = tokens * (4 * v + recompute * act_b / dims.tp)
     if dims.fsdp:
-        # the unsharded root, two blocks in flight (current and prefetched) each with its
-        # all-gather buffer, in the compute dtype; one block's unsharded fp32 gradient and
-        # its reduce-scatter input
-        backward += (act_b * (root + 4 * full_block) + 4 * 2 * full_block) / dims.tp
+        # the unsharded root and, while the prefetched block is copied out of its all-gather
+        # buffer, three blocks' worth of unsharded parameters in the compute dtype; a block's
+        # gradient reduce-scatter buffers come later, once its activations are freed
+        backward += act_b * (root + 3 * full_block) / dims.tp
     # AdamW foreach keeps one parameter-sized temporary (sqrt of the second moment)
     e = Estimate(parameters=4 * local, gradients=4 * local, optimizer=8 * local, activations=activations,
                  backward_buffers=backward, step_buffers=4 * local)
