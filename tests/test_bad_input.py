@@ -93,6 +93,7 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "precision": (["--training.mixed_precision_param", "float16"], {}, "training.mixed_precision_param: 'float16'"),
         "ac_mode": (["--activation_checkpoint.mode", "sometimes"], {}, "activation_checkpoint.mode: 'sometimes'"),
         "reshard": (["--parallelism.fsdp_reshard_after_forward", "maybe"], {}, "parallelism.fsdp_reshard_after_forward"),
+        "adamw_impl": (["--optimizer.implementation", "apex"], {}, "optimizer.implementation: 'apex' is not one of"),
         "on_nonfinite": (["--training.on_nonfinite", "ignore"], {}, "training.on_nonfinite: 'ignore' is not one of"),
         "no_cuda": (["--training.device", "cuda"], {}, "training.device: cuda requested but no CUDA device"),
         # impossible layouts and shapes

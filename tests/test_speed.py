@@ -19,6 +19,13 @@ def test_activation_checkpointing_matches_no_ac(ac):
     assert_parity(ref.losses, run.losses, first_rtol=1e-6, rtol=1e-6)
 
 
+def test_foreach_adamw_matches_fused():
+    """The two AdamW implementations differ only in rounding."""
+    ref = reference(TINY)
+    run = train(1, [*TINY, "--optimizer.implementation", "foreach"])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-6, rtol=1e-5)
+
+
 def test_compile_matches_eager():
     ref = reference(TINY)
     run = train(1, [*TINY, *COMPILE])

@@ -113,6 +113,9 @@ class Optimizer:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
+    implementation: str = "fused"
+    """fused (one kernel per step for all parameters) or foreach (a few multi-tensor kernels
+    per update term; each reads and writes the whole optimizer state again)."""
 
 
 @dataclass(frozen=True)
@@ -468,6 +471,7 @@ def validate(cfg: JobConfig) -> None:
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
     _choice("optimizer.name", cfg.optimizer.name, ("AdamW",))
+    _choice("optimizer.implementation", cfg.optimizer.implementation, ("fused", "foreach"))
     _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
     _choice("training.device", t.device, ("auto", "cpu", "cuda"))

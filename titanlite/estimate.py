@@ -33,7 +33,7 @@ class Estimate:
     """Short-lived at the start of backward: logit gradients, one recomputed block, FSDP's
     unsharded parameters and buffers in flight."""
     step_buffers: float
-    """AdamW's foreach temporaries during the optimizer step."""
+    """AdamW's temporaries during the optimizer step (foreach only; fused makes none)."""
 
     @property
     def total(self) -> float:
@@ -112,9 +112,10 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
         # buffer, three blocks' worth of unsharded parameters in the compute dtype; a block's
         # gradient reduce-scatter buffers come later, once its activations are freed
         backward += act_b * (root + 3 * full_block) / dims.tp
-    # AdamW foreach keeps one parameter-sized temporary (sqrt of the second moment)
+    # foreach AdamW keeps one parameter-sized temporary (sqrt of the second moment)
+    step = 4 * local if cfg.optimizer.implementation == "foreach" else 0.0
     e = Estimate(parameters=4 * local, gradients=4 * local, optimizer=8 * local, activations=activations,
-                 backward_buffers=backward, step_buffers=4 * local)
+                 backward_buffers=backward, step_buffers=step)
     return e, dims
 
 

@@ -12,8 +12,9 @@ from titanlite.config import LRScheduler, Optimizer
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+    fused = cfg.implementation == "fused"
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, foreach=True)
+                             weight_decay=cfg.weight_decay, fused=fused, foreach=not fused)
 
 
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
