@@ -28,3 +28,5 @@ row 1 $D --training.seq_len 256 --training.local_batch_size 16 --activation_chec
 row 2 $D --training.seq_len 256 --training.local_batch_size 8 --activation_checkpoint.mode selective --activation_checkpoint.selective_type op
 row 2 $D --training.seq_len 256 --training.local_batch_size 8 --activation_checkpoint.mode full
 row 2 $M --training.seq_len 128 --training.local_batch_size 1
+row 2 $M --training.seq_len 128 --training.local_batch_size 1 --optimizer.implementation foreach
+row 1 $D --training.seq_len 64 --training.local_batch_size 4 --optimizer.implementation foreach

@@ -32,14 +32,18 @@ class Estimate:
     backward_buffers: float
     """Short-lived at the start of backward: logit gradients, one recomputed block, FSDP's
     unsharded parameters and buffers in flight."""
+    reduce_buffers: float
+    """FSDP's last gradient reduce-scatter at the end of backward: the root's unsharded
+    gradients and their reduce-scatter input, live beside every other gradient."""
     step_buffers: float
     """AdamW's temporaries during the optimizer step (foreach only; fused makes none)."""
 
     @property
     def total(self) -> float:
         """The peak: gradients appear as backward frees the activations, so the start of
-        backward and the optimizer step are the two candidates."""
+        backward, its end and the optimizer step are the candidates."""
         return self.parameters + self.optimizer + max(self.activations + self.backward_buffers,
+                                                      self.gradients + self.reduce_buffers,
                                                       self.gradients + self.step_buffers)
 
 
@@ -57,15 +61,15 @@ def block_activation_elems(args, mode: str, selective_every: int, selective_type
     """Elements per token that autograd keeps for all blocks after forward.
 
     Eager Llama block, per token (D = dim, K = kv dim, F = ffn hidden): the block input,
-    norm outputs and the residual (3D), q and k before and after RoPE (2D + K), the expanded
-    k and v for GQA (2D), the attention output and its contiguous copy (2D), the FFN's
-    w1 and w3 outputs, SiLU output and their product (4F), plus the RMS norm output of
-    the second norm (D): 10D + K + 4F. Full AC keeps only the block input (D); per-op AC
-    keeps the matmul and attention outputs (q, k, v, attention, wo, w1, w3, w2) and the
-    block input: 5D + 2K + 2F.
+    norm outputs and the residual (3D), q and k before and after RoPE (2D + K), k after RoPE
+    and v as attention reads them (2K: shared heads are not expanded), the attention output
+    and its contiguous copy (2D), the FFN's w1 and w3 outputs, SiLU output and their product
+    (4F), plus the RMS norm output of the second norm (D): 8D + 3K + 4F. Full AC keeps only
+    the block input (D); per-op AC keeps the matmul and attention outputs (q, k, v,
+    attention, wo, w1, w3, w2) and the block input: 5D + 2K + 2F.
     """
     d, k, f, n = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_layers
-    none, full, per_op = 10 * d + k + 4 * f, d, 5 * d + 2 * k + 2 * f
+    none, full, per_op = 8 * d + 3 * k + 4 * f, d, 5 * d + 2 * k + 2 * f
     if mode == "none":
         return n * none
     if mode == "full":
@@ -112,10 +116,11 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
         # buffer, three blocks' worth of unsharded parameters in the compute dtype; a block's
         # gradient reduce-scatter buffers come later, once its activations are freed
         backward += act_b * (root + 3 * full_block) / dims.tp
+    reduce = 4 * 2 * root / dims.tp if dims.fsdp else 0.0
     # foreach AdamW keeps one parameter-sized temporary (sqrt of the second moment)
     step = 4 * local if cfg.optimizer.implementation == "foreach" else 0.0
     e = Estimate(parameters=4 * local, gradients=4 * local, optimizer=8 * local, activations=activations,
-                 backward_buffers=backward, step_buffers=step)
+                 backward_buffers=backward, reduce_buffers=reduce, step_buffers=step)
     return e, dims
 
 
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {cfg.training.local_batch_size}x{cfg.training.seq_len}/rank, AC {mode}")
     for what, value in [("parameters", e.parameters), ("gradients", e.gradients), ("optimizer state", e.optimizer),
                         ("activations", e.activations), ("backward buffers", e.backward_buffers),
-                        ("step buffers", e.step_buffers), ("peak per rank", e.total)]:
+                        ("reduce buffers", e.reduce_buffers), ("step buffers", e.step_buffers),
+                        ("peak per rank", e.total)]:
         print(f"  {what:<18} {value / GIB:9.3f} GiB")
 
 
