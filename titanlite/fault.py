@@ -29,6 +29,10 @@ import torch.distributed as dist
 from titanlite.config import Comm, Training
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
+# A rank that reports a hang stays alive this long before exiting: its peers blocked in a
+# collective with it reach their own deadlines (the same timeout, armed within a step's
+# skew) and write their own reports, instead of failing on its closed connection.
+HANG_EXIT_GRACE_S = 5.0
 
 
 class RunError(RuntimeError):
@@ -95,6 +99,7 @@ class Guard:
         self._what = ""
         self._lock = threading.RLock()  # re-entered by the signal handler on the main thread
         self._closed = threading.Event()
+        self._fired = threading.Event()
         self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self._thread = threading.Thread(target=self._watch, name="titanlite-watchdog", daemon=True)
         self._thread.start()
@@ -132,9 +137,11 @@ class Guard:
             with self._lock:
                 expired, what = time.monotonic() > self._deadline, self._what
             if expired:
+                self._fired.set()
                 path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
                 print(f"titanlite: error: step {self.step}: exceeded {what} on rank {self.rank} (a peer rank may be "
                       f"hung or dead); stacks written to {path}", file=sys.stderr, flush=True)
+                time.sleep(HANG_EXIT_GRACE_S)
                 os._exit(HANG_EXIT_CODE)
 
     def close(self) -> None:
@@ -189,6 +196,13 @@ class Guard:
             print(f"titanlite: warning: step {self.step}: non-finite {what}; optimizer step skipped "
                   f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
         return stop, True
+
+
+def defer_to_watchdog() -> None:
+    """Once the watchdog has reported a hang, a failing collective is its consequence (a peer
+    that reported first has exited): let the watchdog finish and exit with the hang code."""
+    if _active is not None and _active._fired.is_set():
+        _active._thread.join()
 
 
 def as_run_error(e: BaseException) -> RunError | None:

@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
         sys.exit(2)
     except Exception as e:
+        fault.defer_to_watchdog()
         err = e if isinstance(e, RunError) else fault.as_run_error(e)
         if err is None:
             raise
