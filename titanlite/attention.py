@@ -89,12 +89,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if mask is not None and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # only if the context's dtype was wrong: correct, but a copy per layer
     rep = q.shape[1] // k.shape[1]
-    if mask is None:
-        # the flash kernels (CPU and CUDA) read shared K/V heads in place: no expanded copy,
-        # and no sum over the copies in backward
+    # Flash kernels read shared K/V heads in place (no expanded copy, no sum over the copies
+    # in backward). CUDA has flash only for 16-bit dtypes and without a mask; elsewhere it picks
+    # the memory-efficient kernel, which has no GQA and would fall back to the math kernel.
+    if mask is None and (q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
     if rep > 1:
-        # with a mask CUDA picks the memory-efficient kernel, which has no GQA: expand
         k = k.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
         v = v.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -128,11 +128,13 @@ def _peak_bytes(roots: list, device: str) -> int:
     """Replay allocations and frees in time order, leaving out the scratch copies gloo makes
     inside collectives: NCCL makes none, and gloo's worker thread, which the profiler does not
     see, often frees them, so counting them would leak their bytes at random."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
     events, stack = [], [(node, False) for node in roots]
     while stack:
         node, in_collective = stack.pop()
         fields = node.extra_fields
-        if type(fields).__name__ == "_ExtraFields_Allocation" and str(fields.device).startswith(device):
+        if isinstance(fields, _ExtraFields_Allocation) and str(fields.device).startswith(device):
             events.append((node.start_time_ns, fields.ptr, fields.alloc_size, in_collective))
         in_collective = in_collective or node.name.startswith(("c10d::", "gloo:"))
         stack.extend((child, in_collective) for child in node.children)
