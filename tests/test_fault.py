@@ -81,16 +81,20 @@ def _errors(text: str) -> list[str]:
 
 # -- non-finite loss ----------------------------------------------------------------------
 
-def test_nonfinite_stop_names_the_step_on_every_rank(tmp_path):
-    # NaN on rank 1 only: the all-reduced flag must stop rank 0 at the same step
-    ranks = spawn(2, TINY, tmp_path, faults="nan@3:1")
+@pytest.mark.parametrize("log_freq", [1, 5])
+def test_nonfinite_stop_names_the_step_on_every_rank(tmp_path, log_freq):
+    # NaN on rank 1 only: the all-reduced flag must stop rank 0 at the same step. With
+    # log_freq 5 step 3 syncs nothing, so its verdict is read during step 4.
+    args = [*TINY, "--metrics.log_freq", str(log_freq)]
+    ranks = spawn(2, args, tmp_path, faults="nan@3:1")
     codes = ranks.wait()
     assert codes == [1, 1], [ranks.log(0), ranks.log(1)]
     for r in range(2):
         (err,) = _errors(ranks.log(r))
         assert "step 3: non-finite loss (training.on_nonfinite = stop)" in err
         assert "Traceback" not in ranks.log(r)
-    assert [m["step"] for m in ranks.metrics()] == [1, 2]  # nothing logged or stepped after the bad step
+    # nothing logged after the bad step
+    assert [m["step"] for m in ranks.metrics()] == ([1, 2] if log_freq == 1 else [1])
 
 
 def test_nonfinite_skip_keeps_training_finite(tmp_path):
@@ -105,6 +109,15 @@ def test_nonfinite_skip_keeps_training_finite(tmp_path):
     finite = [m["loss"] for i, m in enumerate(rows) if i not in (2, 5)]
     assert all(math.isfinite(v) for v in finite) and finite[-1] < finite[0]
     assert ranks.log(0).count("optimizer step skipped") == 2
+    # Logging every 5th step, the host reads steps 3 and 6 late: the device alone must keep
+    # their updates out, bit for bit as when the host decided before the update.
+    (tmp_path / "late").mkdir()
+    late = spawn(2, [*args, "--metrics.log_freq", "5"], tmp_path / "late", faults="nan@3:1,nan@6")
+    assert late.wait() == [0, 0], late.log(0)
+    assert [(m["step"], m["loss"], m["skipped_steps"]) for m in late.metrics()] == [
+        (s, rows[s - 1]["loss"], rows[s - 1]["skipped_steps"]) for s in (1, 5, 10)]
+    assert "step 3: non-finite loss; optimizer step skipped" in late.log(0)
+    assert "step 6: non-finite loss; optimizer step skipped" in late.log(0)
 
 
 def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
@@ -117,9 +130,10 @@ def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
 
 # -- preemption ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, 1), (signal.SIGINT, 0)])
-def test_signal_to_one_rank_stops_all_at_the_same_step(tmp_path, sig, target):
-    args = [*TINY, "--training.steps", "400", "--job.shutdown_timeout_s", "20"]
+# log_freq 7: most steps sync nothing, so the signal's verdict is read a step late
+@pytest.mark.parametrize("sig,target,log_freq", [(signal.SIGTERM, 1, 7), (signal.SIGINT, 0, 1)])
+def test_signal_to_one_rank_stops_all_at_the_same_step(tmp_path, sig, target, log_freq):
+    args = [*TINY, "--training.steps", "400", "--job.shutdown_timeout_s", "20", "--metrics.log_freq", str(log_freq)]
     ranks = spawn(2, args, tmp_path)
     deadline = time.monotonic() + LIMIT_S
     while not any(m["step"] >= 3 for m in ranks.metrics()):

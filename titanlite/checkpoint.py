@@ -381,6 +381,10 @@ class CheckpointManager:
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             self._save_failed(tmp, final, e)
 
+    def due(self, step: int) -> bool:
+        """Whether `maybe_save(step)` saves without being forced."""
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == self.final_step)
+
     def maybe_save(self, step: int, force: bool = False) -> None:
         """Call after every optimizer step; saves when `step` is due (and always the final step),
         or when forced (a stop signal)."""
@@ -391,7 +395,7 @@ class CheckpointManager:
         done = step - self._loaded_step
         self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
         self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
-        if step % self.cfg.interval == 0 or step == self.final_step or force:
+        if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:
             self._export(step, getattr(torch, self.cfg.export_dtype))

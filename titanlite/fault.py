@@ -1,11 +1,20 @@
 """Surviving faults: preemption signals, hung or dead peers, non-finite steps.
 
-Every rank holds one `Guard`. Once per step it all-reduces (MAX, over the world) three
-flags: a stop was requested by SIGTERM/SIGINT, the local loss is non-finite, the gradient
-norm is non-finite. So every rank takes the same decision at the same step, even when only
-one rank was signalled. A watchdog thread bounds each step: past its deadline the rank
-writes the stacks of all its threads (and the collective flight recorder) to
-<dump_folder>/hang/ and exits, because a rank blocked in a collective cannot raise.
+Every rank holds one `Guard`. Once per step it all-reduces (SUM, over the world) this rank's
+share of the squared gradient norm together with two counts: ranks asked to stop by
+SIGTERM/SIGINT, ranks whose loss is non-finite. So every rank takes the same decision at
+the same step, even when only one rank was signalled, and clipping needs no second
+collective.
+
+The host reads that verdict without stalling the device: a step that logs, saves or ends
+the run reads its own at once (it syncs anyway); any other step's is read one step later,
+from a copy started when it was made. Meanwhile a non-finite step is kept out of the
+weights on the device, by the fused optimizer's `found_inf`; the foreach optimizer has no
+such input, so with it every verdict is read at once.
+
+A watchdog thread bounds each step: past its deadline the rank writes the stacks of all
+its threads (and the collective flight recorder) to <dump_folder>/hang/ and exits,
+because a rank blocked in a collective cannot raise.
 
 Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
 NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank.
@@ -94,6 +103,11 @@ class Guard:
         """The step running now, or the last one completed."""
         self.first_step = start_step + 1
         self.skipped = 0
+        self.stop = False
+        """All ranks stop after this step: a signal reached one of them (a read verdict)."""
+        self.skip = False
+        """This step's verdict was read at once and its update is skipped (non-finite)."""
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
         self.signal_name: str | None = None
         self._deadline = float("inf")
         self._what = ""
@@ -118,7 +132,7 @@ class Guard:
             return
         self.signal_name = name
         if self.rank == 0:
-            print(f"titanlite: {name} received; finishing step {self.step} and stopping", flush=True)
+            print(f"titanlite: {name} received at step {self.step}; stopping once every rank has seen it", flush=True)
         with self._lock:
             self._set_deadline(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
 
@@ -174,28 +188,58 @@ class Guard:
             return loss * float("nan")
         return loss
 
-    def end_step(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        """One all-reduce over the world: returns (stop after this step, skip its optimizer
-        update). Raises RunError for a non-finite step under `stop` or too many skips."""
-        flags = torch.stack([torch.tensor(float(self.signal_name is not None), device=loss_sum.device),
-                             (~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm)).float()])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, bad_loss, bad_grad = (bool(v) for v in flags.tolist())
+    def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One all-reduce over the world. Returns the global gradient norm and a device flag,
+        1.0 when this step must not update (the fused optimizer's `found_inf`). Reads the
+        previous step's verdict if still unread, and this step's too when `read_now`; a read
+        verdict sets `stop` and `skip`, or raises RunError for a non-finite step under `stop`
+        or too many skips."""
+        signalled = torch.tensor(float(self.signal_name is not None), device=loss_sum.device)
+        stats = torch.stack([grad_sq.float(), signalled, (~torch.isfinite(loss_sum)).float()])
+        dist.all_reduce(stats)
+        norm = stats[0].sqrt()
+        verdict = torch.stack([stats[1] > 0, stats[2] > 0, ~torch.isfinite(norm)])
+        if self._pending is not None:
+            self._read(*self._pending)
+        self._pending = (self.step, *_start_host_copy(verdict))
+        self.skip = False
+        if read_now:
+            self._read(*self._pending)
+        return norm, (verdict[1] | verdict[2]).float()
+
+    def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self._pending = None
+        if copied is not None:
+            copied.synchronize()
+        stop, bad_loss, bad_grad = host.tolist()
+        self.stop = self.stop or stop
         if not (bad_loss or bad_grad):
-            return stop, False
+            return
         what = "loss" if bad_loss else "gradient norm"
         if self.training.on_nonfinite == "stop":
-            raise RunError(f"step {self.step}: non-finite {what} (training.on_nonfinite = stop); no update "
+            raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
                            "data, or set training.on_nonfinite = skip")
+        self.skip = step == self.step
         self.skipped += 1
         if self.skipped > self.training.max_skipped_steps:
-            raise RunError(f"step {self.step}: {self.skipped} steps with non-finite loss or gradients, more "
+            raise RunError(f"step {step}: {self.skipped} steps with non-finite loss or gradients, more "
                            f"than training.max_skipped_steps ({self.training.max_skipped_steps}); stopping")
         if self.rank == 0:
-            print(f"titanlite: warning: step {self.step}: non-finite {what}; optimizer step skipped "
+            print(f"titanlite: warning: step {step}: non-finite {what}; optimizer step skipped "
                   f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
-        return stop, True
+
+
+def _start_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of a small device tensor, and the event that marks it complete; waiting
+    on that event later waits only for the work queued before it, not for later steps."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 def defer_to_watchdog() -> None:

@@ -122,32 +122,25 @@ def _owns(g: torch.Tensor) -> bool:
     if not isinstance(g, DTensor):
         return not dist.is_initialized() or dist.get_rank() == 0  # the same on every rank
     if any(pl.is_partial() for pl in g.placements):
-        raise RuntimeError(f"clip_grad_norm_: gradient with placements {g.placements} is not reduced; "
+        raise RuntimeError(f"local_grad_sq: gradient with placements {g.placements} is not reduced; "
                            "call reduce_partial_grads first")
     if g.device_mesh.size() != dist.get_world_size():
-        raise RuntimeError(f"clip_grad_norm_: gradient on {g.device_mesh} does not span all ranks; "
+        raise RuntimeError(f"local_grad_sq: gradient on {g.device_mesh} does not span all ranks; "
                            "parallelize every parameter over the whole mesh")
     coord = g.device_mesh.get_coordinate()
     return not any(c and pl.is_replicate() for c, pl in zip(coord, g.placements))
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the global L2 norm over every rank and mesh dimension; returns that norm.
+def local_grad_sq(params: list[nn.Parameter]) -> torch.Tensor:
+    """This rank's share of the squared global L2 gradient norm, over every rank and mesh dimension.
 
-    Each rank squares the norm of the gradient shards it owns (a shard replicated over
-    HSDP replicas or TP ranks is owned once), and one all-reduce over all ranks sums
-    the squares, whatever the mesh, instead of one reduction per mesh dimension.
+    Each rank squares the norm of the gradient shards it owns (a shard replicated over HSDP
+    replicas or TP ranks is owned once), so one SUM all-reduce over all ranks, whatever the
+    mesh, gives the square of the global norm (fault.Guard.end_step makes that reduction).
     """
     grads = [p.grad for p in params if p.grad is not None]
     owned = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _owns(g)]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), device=device)
-    if owned:
-        sq += torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+    if not owned:
+        return torch.zeros((), device=grads[0].device if grads else torch.device("cpu"))
+    return torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2

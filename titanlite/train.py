@@ -31,7 +31,7 @@ from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, check_compile, clip_grad_norm_, reduce_partial_grads
+from titanlite.parallel import ParallelizeOptions, check_compile, local_grad_sq, reduce_partial_grads
 from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
@@ -127,6 +127,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     model.train()
 
     optimizer = build_optimizer(model, cfg.optimizer)
+    fused_optimizer = cfg.optimizer.implementation == "fused"
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
@@ -202,11 +203,17 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             loss_sum += loss.detach()
         params = list(model.parameters())
         reduce_partial_grads(params)
-        grad_norm = clip_grad_norm_(params, t.max_norm)
+        logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
+        # the host reads a step's verdict late unless it syncs anyway (log, save) or must
+        grad_norm, bad = guard.end_step(loss_sum, local_grad_sq(params),
+                                        read_now=logs or ckpt.due(step) or not fused_optimizer)
+        if t.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, grad_norm, foreach=True)
         lr = scheduler.get_last_lr()[0]
-        stop, skip = guard.end_step(loss_sum, grad_norm)
         ckpt.wait_for_staging()
-        if not skip:
+        if fused_optimizer:
+            optimizer.found_inf = bad  # a non-finite step updates nothing, decided on the device
+        if not guard.skip:
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -215,9 +222,9 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         guard.start_save()
-        ckpt.maybe_save(step, force=stop)
+        ckpt.maybe_save(step, force=guard.stop)
 
-        if step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps or stop:
+        if logs or guard.stop:
             dist.all_reduce(loss_sum, group=loss_group)
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
@@ -229,7 +236,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None},
                         eta)
             last_log, last_log_step = now, step
-        if stop:
+        if guard.stop:
             if rank == 0:
                 print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
             break
