@@ -44,6 +44,29 @@ def test_launcher_resolves_config_and_runs_gloo_ranks(tmp_path):
     assert steps == [1, 4, 8, 12]
 
 
+def test_lone_process_needs_no_free_port(tmp_path):
+    """Without torchrun the trainer is a world of one on an in-memory store: it does not bind
+    the default rendezvous port, so a second lone run (or anything else on 29500) is no clash."""
+    import socket
+    import sys
+
+    from harness import TINY
+
+    env = {k: v for k, v in _env(None).items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            busy.bind(("127.0.0.1", 29500))
+            busy.listen()
+        except OSError:
+            pass  # already taken by something else: just as busy
+        proc = subprocess.run([sys.executable, "-m", "titanlite.train", *TINY, "--training.steps", "3",
+                               "--job.dump_folder", str(tmp_path)], capture_output=True, text=True, env=env,
+                              timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "status" / "rank-0.done").exists()
+
+
 def test_help_and_print_config():
     proc, _ = run_sh(["--help"])
     assert proc.returncode == 0 and "--training.steps" in proc.stdout

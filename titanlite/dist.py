@@ -108,10 +108,9 @@ def pick_device(choice: str) -> torch.device:
 
 def init_process_group(device: torch.device, timeout_s: int) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
-    # a lone `python -m titanlite.train` (no torchrun) is a world of one
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if "WORLD_SIZE" not in os.environ:
+        # a lone `python -m titanlite.train` (no torchrun) is a world of one; an in-memory
+        # store, so that two such runs on one machine never race for a port
+        kwargs |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
