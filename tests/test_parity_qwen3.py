@@ -29,3 +29,11 @@ def test_every_gradient_matches_under_tp(nproc, args):
     # with the QK-norm gradients left unreduced across tensor-parallel ranks the loss
     # parity above still passed; per parameter it fails
     assert_grad_parity("qwen3", nproc, args)
+
+
+def test_compiled_tp2_matches_single_process():
+    # QK-norm and the explicit head_dim inside compiled blocks that take TP shards
+    ref = reference([*QWEN3, "--training.local_batch_size", "4"])
+    run = train(2, [*QWEN3, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                    "--compile.enable", "true", "--compile.components", "model,loss"])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)

@@ -8,13 +8,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.config import ActivationCheckpoint, Compile, ConfigError, Float8
+from titanlite.config import ActivationCheckpoint, Compile, Float8
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,16 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
             blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
 
 
-def check_compile(cfg: Compile, tp: int) -> None:
-    """Refuse what is known not to work, before launch."""
-    if cfg.enable and "model" in cfg.components and tp > 1:
-        # the compiled block's backward hands DTensor's redistribute a plain tensor
-        # (AttributeError '_local_tensor', torch 2.13, CPU/gloo): not supported yet
-        raise ConfigError("compile.enable: compiling blocks with tensor parallelism is not supported yet; "
-                          "set parallelism.tensor_parallel_degree 1, or compile.components loss, "
-                          "or compile.enable false")
+def wait_on_output(module: nn.Module) -> None:
+    """Make `module` return a plain tensor where tensor parallel leaves an AsyncCollectiveTensor
+    (the embedding's reduce-scatter is issued async). A compiled block given one as input
+    answers in backward with a plain gradient that DTensor's redistribute cannot take
+    (torch 2.13); the first block needs the value at once, so waiting loses no overlap."""
+    def wait(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        # a non-view op waits and unwraps (a view would stay async); the copy is one activation
+        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+
+    module.register_forward_hook(wait)
 
 
 def apply_compile(blocks: nn.ModuleDict) -> None:

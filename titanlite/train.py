@@ -31,7 +31,7 @@ from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import ParallelizeOptions, check_compile, local_grad_sq, reduce_partial_grads
+from titanlite.parallel import ParallelizeOptions, local_grad_sq, reduce_partial_grads
 from titanlite.profiling import Profiler
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validate import Validator
@@ -62,7 +62,6 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                           f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
     float8.preflight(cfg.float8, cfg.training.device, dims.tp)
-    check_compile(cfg.compile, dims.tp)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "

@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from titanlite.config import ConfigError
 from titanlite.dist import Meshes, ParallelDims
-from titanlite.parallel import ParallelizeOptions, apply_ac, apply_compile, apply_fsdp
+from titanlite.parallel import ParallelizeOptions, apply_ac, apply_compile, apply_fsdp, wait_on_output
 
 from .model import ModelArgs
 
@@ -88,6 +88,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel: bool, sequence_p
         for norm in [model.norm, *(b.attention_norm for b in blocks), *(b.ffn_norm for b in blocks)]:
             _replicate(norm, mesh)
     parallelize_module(model, mesh, root)
+    wait_on_output(model.tok_embeddings)  # before compiled blocks
     for layer in model.layers.values():
         parallelize_module(layer, mesh, block)
     if model.args.tie_embeddings:
