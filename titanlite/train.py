@@ -237,7 +237,8 @@ def train(cfg: JobConfig, plan: Plan) -> None:
             last_log, last_log_step = now, step
         if guard.stop:
             if rank == 0:
-                print(f"titanlite: stopped at step {step} after {guard.signal_name}", flush=True)
+                print(f"titanlite: stopped at step {step} after {guard.signal_name or 'a signal to another rank'}",
+                      flush=True)
             break
         if validator.due(step, t.steps):
             val_start = time.perf_counter()
