@@ -128,6 +128,36 @@ def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
     assert run.metrics[-1]["step"] == 3
 
 
+# A signal read late (arrived in step 3, read during step 4) makes step 4 the last: it must
+# read its own verdict at once, or a NaN there would be saved without a word.
+LATE_STOP = """
+import os, signal, sys, torch
+import torch.distributed as dist
+from titanlite.config import Comm, Training
+from titanlite.fault import Guard, RunError
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+guard = Guard(0, sys.argv[1], Comm(), Training(), shutdown_timeout_s=60, start_step=2)
+guard.start_step(3)
+os.kill(os.getpid(), signal.SIGTERM)
+_, bad = guard.end_step(torch.tensor(1.0), torch.tensor(4.0), read_now=False)
+assert guard.signal_name == "SIGTERM" and not guard.stop and bad.item() == 0
+guard.start_step(4)
+try:
+    guard.end_step(torch.tensor(float("nan")), torch.tensor(4.0), read_now=False)
+except RunError as e:
+    print("raised:", e, flush=True)
+print("stop:", guard.stop, flush=True)
+guard.close()
+"""
+
+
+def test_the_step_that_stops_reads_its_own_verdict(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", LATE_STOP, str(tmp_path)], capture_output=True, text=True,
+                          env=_env(None), cwd=REPO, timeout=LIMIT_S)
+    assert "raised: step 4: non-finite loss (training.on_nonfinite = stop)" in proc.stdout, proc.stdout + proc.stderr
+    assert "stop: True" in proc.stdout
+
+
 # -- preemption ---------------------------------------------------------------------------
 
 # log_freq 7: most steps sync nothing, so the signal's verdict is read a step late

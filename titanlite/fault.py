@@ -191,7 +191,8 @@ class Guard:
     def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One all-reduce over the world. Returns the global gradient norm and a device flag,
         1.0 when this step must not update (the fused optimizer's `found_inf`). Reads the
-        previous step's verdict if still unread, and this step's too when `read_now`; a read
+        previous step's verdict if still unread, and this step's too when `read_now` or when
+        the run stops after this step (nothing may be saved unread); a read
         verdict sets `stop` and `skip`, or raises RunError for a non-finite step under `stop`
         or too many skips."""
         signalled = torch.tensor(float(self.signal_name is not None), device=loss_sum.device)
@@ -203,7 +204,7 @@ class Guard:
             self._read(*self._pending)
         self._pending = (self.step, *_start_host_copy(verdict))
         self.skip = False
-        if read_now:
+        if read_now or self.stop:  # a stopping step saves and logs: it syncs anyway
             self._read(*self._pending)
         return norm, (verdict[1] | verdict[2]).float()
 
