@@ -78,6 +78,8 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     full = _AllGather.apply(x.movedim(dim, 0), group)
     # gathered chunk j is global chunk order[j]; put them back in sequence order
     order = [c for r in range(degree) for c in chunks_of(r, degree)]
-    inverse = torch.argsort(torch.tensor(order)).to(x.device)
-    full = full.unflatten(0, (2 * degree, -1)).index_select(0, inverse).flatten(0, 1)
+    # a permutation of views, not an index tensor: that would be a host-to-device copy
+    # (a stream sync on CUDA) in every attention layer
+    chunks = full.unflatten(0, (2 * degree, -1))
+    full = torch.cat([chunks[order.index(c)] for c in range(2 * degree)])
     return full.movedim(0, dim)

@@ -195,8 +195,10 @@ class Guard:
         the run stops after this step (nothing may be saved unread); a read
         verdict sets `stop` and `skip`, or raises RunError for a non-finite step under `stop`
         or too many skips."""
-        signalled = torch.tensor(float(self.signal_name is not None), device=loss_sum.device)
-        stats = torch.stack([grad_sq.float(), signalled, (~torch.isfinite(loss_sum)).float()])
+        # torch.full fills on the device; torch.tensor(x, device=cuda) would copy from pageable
+        # host memory and synchronize the stream every step
+        signalled = torch.full((), float(self.signal_name is not None), device=loss_sum.device)
+        stats = torch.stack([grad_sq, signalled, (~torch.isfinite(loss_sum)).float()])
         dist.all_reduce(stats)
         norm = stats[0].sqrt()
         verdict = torch.stack([stats[1] > 0, stats[2] > 0, ~torch.isfinite(norm)])
