@@ -1,11 +1,13 @@
 """End to end through run_train.sh: the default job, multi-rank launch, metrics, bad input."""
 
 import json
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
-from harness import REPO, _env, launch
+from harness import REPO, TINY, _env, launch
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -47,11 +49,6 @@ def test_launcher_resolves_config_and_runs_gloo_ranks(tmp_path):
 def test_lone_process_needs_no_free_port(tmp_path):
     """Without torchrun the trainer is a world of one on an in-memory store: it does not bind
     the default rendezvous port, so a second lone run (or anything else on 29500) is no clash."""
-    import socket
-    import sys
-
-    from harness import TINY
-
     env = {k: v for k, v in _env(None).items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
