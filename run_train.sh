@@ -21,7 +21,7 @@ esac
 
 # Validate in one process first: bad input gives one clear line, not one per rank.
 # The config alone is checked without torch (fast), then layout, model and files.
-python -m titanlite.config "$@"
+python -m titanlite.config_load "$@"
 WORLD_SIZE=$((NGPU * NNODES)) python -m titanlite.train --check "$@"
 
 if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then

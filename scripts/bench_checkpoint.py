@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from models.llama3 import SPEC
-from models.llama3.model import ModelArgs
+from titanlite.models.llama3 import SPEC
+from titanlite.models.llama3.model import ModelArgs
 from titanlite.checkpoint import CheckpointManager
+from titanlite.optim import Optimizers
 from titanlite.config import Checkpoint, Data
 from titanlite.data import build_dataloader
-from titanlite.dist import init_process_group
+from titanlite.parallel.mesh import init_process_group
 from titanlite.tokenizer import build_tokenizer
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     init_process_group(torch.device("cpu"), 600)
     args = ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=12, n_kv_heads=4, vocab_size=a.vocab, max_seq_len=64)
     model = SPEC.build(args)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
@@ -57,7 +58,7 @@ def main() -> None:
 
     def manager(mode: str) -> CheckpointManager:
         cfg = Checkpoint(enable=True, interval=1, async_mode=mode, folder=f"ckpt-{mode}")
-        return CheckpointManager(cfg, str(dump), model=model, optimizer=opt, scheduler=sched, loader=loader,
+        return CheckpointManager(cfg, str(dump), parts=[model], optimizers=Optimizers([model], [opt], [sched]), loader=loader,
                                  data=Data(), seq_len=64, global_batch_size=8, spec=SPEC, args=args,
                                  final_step=10**9)
 

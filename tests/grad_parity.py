@@ -17,10 +17,12 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.attention import AttnContext
 from titanlite.config import ActivationCheckpoint, Compile
-from titanlite.dist import ParallelDims, init_process_group
+from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, loss_context
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite.parallel import ParallelizeOptions, reduce_partial_grads
+from titanlite import init
+from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.grad_norm import reduce_partial_grads
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool) -> None:
@@ -33,16 +35,15 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool) -> None:
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     ref = spec.build(args)
-    ref.init_weights(torch.Generator().manual_seed(0))
+    ref.init_weights(0)
     cross_entropy_sum(ref(inputs), labels).div(labels.numel()).backward()
 
     with torch.device("meta"):
         model = spec.build(args)
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
-    spec.parallelize(model, meshes, opts)
-    model.to_empty(device="cpu")
-    model.init_weights(torch.Generator().manual_seed(0))
+    parallelize(model, spec, meshes, opts)
+    init.materialize(model, torch.device("cpu"), 0)
     rows = inputs.shape[0] // dp_shard
     mine = slice(meshes.dp.get_local_rank() * rows, (meshes.dp.get_local_rank() + 1) * rows)
     with loss_context(opts.loss_parallel):

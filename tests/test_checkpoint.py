@@ -13,12 +13,13 @@ import pytest
 import torch
 from harness import TINY, assert_parity, launch, train
 
-from titanlite import config
+from titanlite import config_load
 from titanlite.checkpoint import _Data, load_tensors
-from titanlite.config import ConfigError, Data
+from titanlite.config import Data
+from titanlite.errors import ConfigError
 from titanlite.data import build_dataloader
 from titanlite.tokenizer import build_tokenizer
-from titanlite.train import preflight
+from titanlite.preflight import preflight
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "10"]
@@ -160,7 +161,7 @@ def test_shape_mismatch_is_one_clear_error(straight1, tmp_path):
 
 
 def test_seed_checkpoint_needs_one_process():
-    cfg, _ = config.load([*job(2, 10), "--checkpoint.create_seed_checkpoint"])
+    cfg, _ = config_load.load([*job(2, 10), "--checkpoint.create_seed_checkpoint"])
     with pytest.raises(ConfigError, match="create_seed_checkpoint runs on one process"):
         preflight(cfg, 2)
 
@@ -188,4 +189,4 @@ def test_config_rejects_bad_checkpoint_fields():
                         (["--checkpoint.initial_load_path", "/nonexistent"], "initial_load_path"),
                         (["--checkpoint.export_dtype", "int8"], "export_dtype")]:
         with pytest.raises(ConfigError, match=match):
-            config.load(args)
+            config_load.load(args)

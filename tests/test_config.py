@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 
-from titanlite import config
-from titanlite.config import ConfigError, load
-from titanlite.dist import ParallelDims
-from titanlite.train import preflight
+from titanlite import config_load
+from titanlite.errors import ConfigError
+from titanlite.config_load import load
+from titanlite.parallel.mesh import ParallelDims
+from titanlite.preflight import preflight
 
 
 def write(tmp_path, text):
@@ -123,9 +124,9 @@ def test_model_errors(argv, message):
 
 
 def test_help_lists_every_option_with_its_doc():
-    text = config.help_text()
-    for name, section in config._sections().items():
-        docs = config.field_docs(section)
+    text = config_load.help_text()
+    for name, section in config_load._sections().items():
+        docs = config_load.field_docs(section)
         for f in dataclasses.fields(section):
             assert f"--{name}.{f.name} " in text
             assert docs.get(f.name), f"{name}.{f.name} has no docstring"
@@ -133,12 +134,12 @@ def test_help_lists_every_option_with_its_doc():
 
 def test_print_config_round_trips(tmp_path):
     cfg, _ = load(["--training.steps", "42", "--job.description", 'say "hi"'])
-    again, _ = load(["--config", write(tmp_path, config.to_toml(cfg))])
+    again, _ = load(["--config", write(tmp_path, config_load.to_toml(cfg))])
     assert again == cfg
 
 
 def test_list_values_parse_from_toml_and_cli():
-    assert config._coerce("k", "a,b", list[str], from_cli=True) == ["a", "b"]
-    assert config._coerce("k", [1, 2.5], list[float], from_cli=False) == [1.0, 2.5]
+    assert config_load._coerce("k", "a,b", list[str], from_cli=True) == ["a", "b"]
+    assert config_load._coerce("k", [1, 2.5], list[float], from_cli=False) == [1.0, 2.5]
     with pytest.raises(ConfigError, match="k: expected a list"):
-        config._coerce("k", "a", list[str], from_cli=False)
+        config_load._coerce("k", "a", list[str], from_cli=False)

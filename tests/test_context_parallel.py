@@ -8,14 +8,14 @@ import pytest
 import torch
 from harness import TINY, assert_parity, launch, reference, train
 
-from models.llama3 import flavors
-from models.llama3.model import Transformer
-from titanlite import config
+from titanlite.models.llama3 import flavors
+from titanlite.models.llama3.model import Transformer
+from titanlite import config_load
 from titanlite.attention import AttnContext
-from titanlite.config import ConfigError
-from titanlite.context_parallel import shard_sequence
+from titanlite.errors import ConfigError
+from titanlite.parallel.context import shard_sequence
 from titanlite.data import document_spans
-from titanlite.train import preflight
+from titanlite.preflight import preflight
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 DOCS = ["--data.document_mask", "true"]
@@ -29,7 +29,7 @@ def test_head_tail_layout():
 
 
 def test_seq_len_not_divisible_by_two_cp_is_refused_in_preflight():
-    cfg, _ = config.load([*TINY, *CP2, "--training.seq_len", "66"])
+    cfg, _ = config_load.load([*TINY, *CP2, "--training.seq_len", "66"])
     with pytest.raises(ConfigError, match=r"seq_len 66 .*context_parallel_degree 2 = 4"):
         preflight(cfg, world_size=2)
     run = launch(2, [*TINY, *CP2, "--training.seq_len", "66"], timeout=120)
@@ -38,7 +38,7 @@ def test_seq_len_not_divisible_by_two_cp_is_refused_in_preflight():
 
 
 def test_sequence_parallel_needs_seq_len_divisible_by_tp_x_cp():
-    cfg, _ = config.load([*TINY, *CP2, "--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "12"])
+    cfg, _ = config_load.load([*TINY, *CP2, "--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "12"])
     with pytest.raises(ConfigError, match=r"seq_len 12 .*tensor_parallel_degree 4 x context_parallel_degree 2"):
         preflight(cfg, world_size=8)
 
@@ -47,7 +47,7 @@ def test_document_mask_with_streaming_is_refused(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"text": "a b c"}\n')
     with pytest.raises(ConfigError, match=r"data.document_mask .*data.streaming"):
-        config.load([*DOCS, "--data.streaming", "true", "--data.path", str(corpus)])
+        config_load.load([*DOCS, "--data.streaming", "true", "--data.path", str(corpus)])
 
 
 def test_document_spans_restart_positions_at_each_document():
@@ -60,7 +60,7 @@ def test_document_mask_matches_each_document_alone():
     torch.manual_seed(0)
     args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
     model = Transformer(args)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     doc_starts, start, seq_len = np.array([0, 30, 41, 42, 90]), 10, 64  # first document began earlier
     tokens = torch.randint(0, args.vocab_size, (2, seq_len))
     spans = document_spans(doc_starts, start, seq_len)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import ConfigError, Data
+from titanlite.config import Data
+from titanlite.errors import ConfigError
 from titanlite.data import token_stream, build_dataloader, split_stream
 from titanlite.tokenizer import ByteTokenizer, build_tokenizer
 

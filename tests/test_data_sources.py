@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_data import BYTE, global_batches, hf_folder, write_jsonl  # noqa: F401 (fixture)
 
-from titanlite import config
-from titanlite.config import ConfigError, Data
+from titanlite import config_load
+from titanlite.config import Data
+from titanlite.errors import ConfigError
 from titanlite.data import build_dataloader, build_dataset, mix_schedule, token_stream
 from titanlite.sources import parse_mix, read_documents
 
@@ -183,10 +184,10 @@ def test_config_errors(tmp_path, docs):
     ]:
         if error is None:
             with pytest.raises(ConfigError, match="below 1/1000"):
-                build_dataset(config.load(argv)[0].data, BYTE, 16)
+                build_dataset(config_load.load(argv)[0].data, BYTE, 16)
         else:
             with pytest.raises(ConfigError, match=error):
-                config.load(argv)
+                config_load.load(argv)
 
 
 def test_empty_sources(tmp_path):
@@ -201,15 +202,15 @@ def test_empty_sources(tmp_path):
 
 def test_vocab_check(hf_folder):  # noqa: F811
     from titanlite.tokenizer import build_tokenizer
-    from titanlite.train import preflight
+    from titanlite.preflight import preflight
 
     n = build_tokenizer(str(hf_folder)).vocab_size
     assert 256 < n <= 512  # the debug model embeds 512 rows
-    cfg, _ = config.load(["--data.tokenizer", str(hf_folder), "--model.vocab_size", "256"])
+    cfg, _ = config_load.load(["--data.tokenizer", str(hf_folder), "--model.vocab_size", "256"])
     with pytest.raises(ConfigError, match=f"has {n} ids but the model embeds only 256; "
                                           f"set model.vocab_size >= {n}"):
         preflight(cfg, 1)
-    assert preflight(config.load(["--data.tokenizer", str(hf_folder)])[0], 1).args.vocab_size >= n
+    assert preflight(config_load.load(["--data.tokenizer", str(hf_folder)])[0], 1).args.vocab_size >= n
 
 
 RESUME_SCRIPT = """
@@ -268,7 +269,7 @@ def test_bad_sources_fail_at_check_with_one_line(tmp_path, docs):
 
 def test_validation_reads_each_sample_at_most_once(docs):
     from titanlite.config import Validation
-    from titanlite.validate import Validator
+    from titanlite.validation import Validator
 
     data = Data(path=str(docs), holdout_fraction=0.2)
     n = build_dataset(data, BYTE, 16, "val").num_samples
@@ -304,7 +305,7 @@ def test_every_source_kind_gives_the_same_batches(tmp_path):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_validation_reads_the_same_batches_every_time(docs, streaming):
     from titanlite.config import Validation
-    from titanlite.validate import Validator
+    from titanlite.validation import Validator
 
     v = Validator(Validation(freq=1, steps=3, path=str(docs)), Data(path=str(docs), streaming=streaming),
                   BYTE, 16, 8, 2, 1, 2, None)

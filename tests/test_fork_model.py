@@ -33,7 +33,7 @@ def test_copy_edit_and_train_a_forked_model(tmp_path):
     repo = tmp_path / "repo"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("titanlite", "models", "train_configs"):
-        shutil.copytree(REPO / folder, repo / folder, ignore=ignore)
+        shutil.copytree(REPO / folder, repo / folder, ignore=ignore, symlinks=True)  # titanlite/models links to models/
     shutil.copy2(REPO / "run_train.sh", repo / "run_train.sh")
 
     # 1. copy  2. name  3. change one detail (the documented SiLU -> GELU)
@@ -52,10 +52,10 @@ def test_copy_edit_and_train_a_forked_model(tmp_path):
     # the edit took effect: with the same seeded weights, the fork's logits differ from llama3's
     probe = """
 import torch
-import models.llama3 as base, models.my_llama as fork
+import titanlite.models.llama3 as base, titanlite.models.my_llama as fork
 args = base.flavors["debugmodel"].__class__(**{**base.flavors["debugmodel"].__dict__, "max_seq_len": 16})
 a, b = base.Transformer(args), fork.Transformer(args)
-a.init_weights(torch.Generator().manual_seed(0)); b.init_weights(torch.Generator().manual_seed(0))
+a.init_weights(0); b.init_weights(0)
 assert a.state_dict().keys() == b.state_dict().keys()
 assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

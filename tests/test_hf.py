@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from models.llama3 import SPEC
-from models.llama3.model import ModelArgs, Transformer
+from titanlite.models.llama3 import SPEC
+from titanlite.models.llama3.model import ModelArgs, Transformer
 from titanlite.checkpoint import load_tensors, write_model_checkpoint
-from titanlite.config import ConfigError
-from titanlite.convert import main as convert_main
+from titanlite.errors import ConfigError
+from titanlite.tools.convert import main as convert_main
 from titanlite.hf_io import check_hf_config, read_config, read_safetensors
 
 ADAPTER = SPEC.hf
@@ -44,7 +44,7 @@ def hf_model(name: str) -> LlamaForCausalLM:
 
 def titanlite_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None) -> Transformer:
     model = Transformer(args)
-    model.init_weights(torch.Generator().manual_seed(0))  # also fills the RoPE tables
+    model.init_weights(0)  # also fills the RoPE tables
     if state_dict is not None:
         model.load_state_dict(state_dict, strict=True)
     return model.eval()

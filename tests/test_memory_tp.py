@@ -13,12 +13,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-import models.llama3 as llama3
+import titanlite.models.llama3 as llama3
 from titanlite.config import ActivationCheckpoint, Compile, Optimizer
-from titanlite.dist import ParallelDims
+from titanlite.parallel.mesh import ParallelDims
 from titanlite.loss import cross_entropy_sum, loss_context
-from titanlite.optim import build_optimizer
-from titanlite.parallel import ParallelizeOptions, reduce_partial_grads
+from titanlite import init
+from titanlite.config import LRScheduler
+from titanlite.optim import build_optimizers
+from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.grad_norm import reduce_partial_grads
 
 ARGS = dataclasses.replace(llama3.flavors["debugmodel"], max_seq_len=64)
 
@@ -36,10 +39,9 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         model = llama3.Transformer(ARGS)
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=True)
-    llama3.parallelize(model, meshes, opts)
-    model.to_empty(device="cpu")
-    model.init_weights(torch.Generator().manual_seed(0))
-    optimizer = build_optimizer(model, Optimizer())
+    parallelize(model, llama3.SPEC, meshes, opts)
+    init.materialize(model, torch.device("cpu"), 0)
+    (optimizer,) = build_optimizers([model], Optimizer(), LRScheduler(), 10).optimizers
     tokens = torch.randint(0, ARGS.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with loss_context(True):
         logits = model(tokens)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from harness import REPO, TINY, Run, _env, assert_grad_parity, assert_parity, reference, train
 
-from titanlite import config
-from titanlite.config import ConfigError
-from titanlite.train import preflight
+from titanlite import config_load
+from titanlite.errors import ConfigError
+from titanlite.preflight import preflight
 
 GLOBAL4 = [*TINY, "--training.global_batch_size", "4"]
 
@@ -85,7 +85,7 @@ def test_run_train_sh_tp_matches_one_gpu():
 ], ids=["heads", "kv_heads", "vocab", "seq_len"])
 def test_bad_tp_degree_is_refused_in_preflight(extra, world, message):
     # preflight runs before any process group or weight exists (run_train.sh --check calls it)
-    cfg, _ = config.load([*TINY, *extra])
+    cfg, _ = config_load.load([*TINY, *extra])
     with pytest.raises(ConfigError, match=re.escape(message)):
         preflight(cfg, world)
 

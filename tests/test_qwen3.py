@@ -6,16 +6,17 @@ import pytest
 import torch
 from harness import TINY, train
 
-from models.qwen3 import SPEC, flavors, hf
-from models.qwen3.model import Transformer
-from titanlite import config
+from titanlite.models.qwen3 import SPEC, flavors, hf
+from titanlite.models.qwen3.model import Transformer
+from titanlite import config_load, init
 from titanlite.checkpoint import load_tensors, write_model_checkpoint
-from titanlite.config import ConfigError, Data
-from titanlite.convert import main as convert_main
+from titanlite.config import Data
+from titanlite.errors import ConfigError
+from titanlite.tools.convert import main as convert_main
 from titanlite.data import build_dataloader
 from titanlite.hf_io import read_config, read_safetensors
 from titanlite.tokenizer import ByteTokenizer
-from titanlite.train import preflight
+from titanlite.preflight import preflight
 
 import transformers  # noqa: E402
 
@@ -89,7 +90,7 @@ def test_import_matches_transformers_logits(tie, tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     assert SPEC.hf.args_from_hf(read_config(tmp_path)) == args
     ours = Transformer(args)
-    ours.init_weights(torch.Generator().manual_seed(1))
+    ours.init_weights(1)
     ours.load_state_dict(SPEC.hf.from_hf(read_safetensors(tmp_path), args), strict=True)
     assert (ours.output.weight is ours.tok_embeddings.weight) == tie
     with torch.no_grad():
@@ -102,7 +103,7 @@ def test_import_matches_transformers_logits(tie, tmp_path):
 def test_export_round_trips_through_transformers(tie, tmp_path):
     args, _ = _tiny(tie)
     ours = Transformer(args)
-    ours.init_weights(torch.Generator().manual_seed(2))
+    ours.init_weights(2)
     exported = SPEC.hf.to_hf(ours.state_dict(), args)
     assert ("lm_head.weight" in exported) != tie
     back = SPEC.hf.from_hf(exported, args)
@@ -143,8 +144,7 @@ def test_training_starts_from_hf_weights_under_tp(tmp_path):
 def test_tied_embeddings_survive_materialisation():
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
-    model.to_empty(device="cpu")
-    model.init_weights(torch.Generator().manual_seed(0))
+    init.materialize(model, torch.device("cpu"), 0)
     assert model.output.weight is model.tok_embeddings.weight
     assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
 
@@ -152,7 +152,7 @@ def test_tied_embeddings_survive_materialisation():
 @pytest.mark.parametrize("name,world", [("qwen3_debug.toml", 1), ("qwen3_0.6b.toml", 8), ("qwen3_8b.toml", 64)])
 def test_train_configs_pass_preflight(name, world):
     # the checks run_train.sh --check makes before launching, for the config's target world size
-    cfg, _ = config.load(["--config", name])
+    cfg, _ = config_load.load(["--config", name])
     plan = preflight(cfg, world)
     assert (cfg.model.name, plan.spec.name) == ("qwen3", "qwen3")
     assert plan.args == dataclasses.replace(flavors[cfg.model.flavor], max_seq_len=cfg.training.seq_len)
@@ -161,6 +161,6 @@ def test_train_configs_pass_preflight(name, world):
 @pytest.mark.parametrize("tp,message", [(3, "n_heads 8 is not divisible by parallelism.tensor_parallel_degree 3"),
                                         (8, "tensor_parallel_degree 8 exceeds n_kv_heads 4")])
 def test_bad_tp_degree_is_refused_in_preflight(tp, message):
-    cfg, _ = config.load(["--config", "qwen3_debug.toml", "--parallelism.tensor_parallel_degree", str(tp)])
+    cfg, _ = config_load.load(["--config", "qwen3_debug.toml", "--parallelism.tensor_parallel_degree", str(tp)])
     with pytest.raises(ConfigError, match=message):
         preflight(cfg, tp)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from harness import REPO
 
-from titanlite import config
+from titanlite import config_load
 
 SOURCES = sorted((REPO / "titanlite").rglob("*.py")) + sorted((REPO / "models").rglob("*.py"))
 
@@ -45,7 +45,7 @@ def test_config_values_stay_strings(tmp_path):
     code = f"__import__('os').system('touch {marker}')"
     toml = tmp_path / "c.toml"
     toml.write_text(f'[job]\ndescription = "{code}"\nrun_name = "{{rank}}$(touch {marker})"\n')
-    cfg, _ = config.load(["--config", str(toml), "--data.text_field", code])
+    cfg, _ = config_load.load(["--config", str(toml), "--data.text_field", code])
     assert cfg.job.description == code and cfg.data.text_field == code
     assert cfg.job.run_name == f"{{rank}}$(touch {marker})"
     assert not marker.exists()

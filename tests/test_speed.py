@@ -53,13 +53,13 @@ def _forward_retained_bytes(mode: str, selective_type: str = "layer") -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from models.llama3 import SPEC, flavors
+    from titanlite.models.llama3 import SPEC, flavors
     from titanlite.config import ActivationCheckpoint
-    from titanlite.parallel import apply_ac
+    from titanlite.parallel.apply import apply_ac
 
     args = flavors["debugmodel"]
     model = SPEC.build(args)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     apply_ac(model.layers, ActivationCheckpoint(mode=mode, selective_every=2, selective_type=selective_type))
     tokens = torch.randint(0, args.vocab_size, (4, 64))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -80,7 +80,7 @@ def test_tensor_peak_counts_every_free_but_leaves_out_collective_scratch():
     must not leak into the peak; a plain tensor freed on the main thread must leave it."""
     import threading
 
-    from titanlite.bench import tensor_memory_peak
+    from titanlite.tools.bench import tensor_memory_peak
 
     out, held = {"device": "cpu"}, []
     with tensor_memory_peak(True, out):
@@ -99,12 +99,12 @@ def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
     lands within 20% of the tensor peak the profiler measured on every rank."""
     import json
 
-    from titanlite import config
-    from titanlite.estimate import estimate
+    from titanlite import config_load
+    from titanlite.tools.estimate import estimate
 
     job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4"]
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "titanlite.bench", "--ngpu", "2", "--warmup", "1", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "titanlite.tools.bench", "--ngpu", "2", "--warmup", "1", "--steps", "2",
                            "--track-memory", "--out", str(out), *job, "--job.dump_folder", str(tmp_path)],
                           capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -113,7 +113,7 @@ def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
     tokens_per_step = 4 * 64  # per rank
     assert abs(result["tokens_per_sec_per_device"] * result["ms_per_step"] / 1000 - tokens_per_step) < 1e-6 * tokens_per_step
     assert 0 < result["mfu_pct"] and result["matmul_tflops_measured"] > 0
-    cfg, _ = config.load(job)
+    cfg, _ = config_load.load(job)
     est, _ = estimate(cfg, 2)
     for measured in result["tensor_peak_gib_per_rank"]:
         rel = abs(est.total / 2**30 - measured) / measured

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlite.context_parallel import chunks_of, gather_sequence
+from titanlite.parallel.context import chunks_of, gather_sequence
 
 
 @dataclass

@@ -7,7 +7,7 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folde
                     is global (titanlite.data), so this cursor means the same on any layout
   train_state       step and tokens seen
   rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
-plus titanlite.json (model family and args, for titanlite.convert). It is written as
+plus titanlite.json (model family and args, for titanlite.tools.convert). It is written as
 step-N.tmp and renamed when whole: a folder named step-N is always complete.
 """
 
@@ -28,16 +28,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import Checkpoint, ConfigError, Data
-from titanlite.fault import RunError
+from titanlite.config import Checkpoint, Data
+from titanlite.errors import ConfigError, RunError
 from titanlite.hf_io import check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
+from titanlite.optim import Optimizers
 
 INFO = "titanlite.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -51,38 +52,52 @@ def _warn(msg: str) -> None:
 # ---- the pieces of a checkpoint, as DCP Stateful objects -------------------------------
 
 class _Model:
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    """The union of the parts' state dicts, keyed by whole-model parameter names."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, sd)
+        for part in self.parts:
+            mine = get_model_state_dict(part).keys()
+            set_model_state_dict(part, {k: v for k, v in sd.items() if k in mine})
+
+
+# Flattened: keyed by parameter names, not by positions in one optimizer, so the state of
+# a layer loads whichever pipeline stage holds it
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _Optimizer:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, optimizers: Optimizers) -> None:
+        self.optimizers = optimizers
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        o = self.optimizers
+        return {k: v for part, opt in zip(o.parts, o.optimizers)
+                for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
+        o = self.optimizers
+        for part, opt in zip(o.parts, o.optimizers):
+            set_optimizer_state_dict(part, opt, sd, options=_FLAT)
 
 
 class _Scheduler:
-    """LambdaLR's counters; the lambda itself is rebuilt from the config."""
+    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config."""
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self.schedulers = schedulers
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {k: v for k, v in self.schedulers[0].state_dict().items() if k != "lr_lambdas"}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **sd})
+        for sched in self.schedulers:
+            sched.load_state_dict({**sched.state_dict(), **sd})
 
 
 class _Data:
@@ -109,14 +124,14 @@ class _Data:
             raise ConfigError(f"the checkpoint consumed {sd['samples_seen']} samples, not a multiple of "
                               f"training.global_batch_size {self.global_batch_size}; resuming would "
                               "repeat or skip samples. Use a global batch size that divides it")
-        if getattr(self.loader, "batch_sampler", None) is None and sd["samples_seen"]:
-            raise ConfigError("cannot restore the position in a streamed data source (data.streaming = true); "
-                              "resuming would restart the data. Resume with a map-style source")
         self.samples_seen = sd["samples_seen"]
+        global_batch = self.samples_seen // self.global_batch_size
+        if getattr(self.loader, "batch_sampler", None) is None:
+            self.loader.dataset.resume_at(global_batch)  # a streamed source replays up to there
+            return
         # The sampler is the loader's only state and is kept in the main process, so setting
         # it before iter() resumes with or without workers.
-        self.loader.batch_sampler.load_state_dict(
-            {"global_batch": self.samples_seen // self.global_batch_size, "micro_batch": 0})
+        self.loader.batch_sampler.load_state_dict({"global_batch": global_batch, "micro_batch": 0})
 
 
 @dataclasses.dataclass
@@ -237,16 +252,16 @@ def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 class CheckpointManager:
     """Saves every `interval` steps and at `final_step`; restores on start. Call from every rank."""
 
-    def __init__(self, cfg: Checkpoint, dump_folder: str, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, loader: StatefulDataLoader, data: Data,
-                 seq_len: int, global_batch_size: int, spec: ModelSpec, args: Any, final_step: int) -> None:
-        self.cfg, self.model, self.spec, self.args, self.final_step = cfg, model, spec, args, final_step
+    def __init__(self, cfg: Checkpoint, dump_folder: str, *, parts: list[nn.Module], optimizers: Optimizers,
+                 loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
+                 args: Any, final_step: int) -> None:
+        self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = _Data(loader, data, seq_len, global_batch_size)
         self.tokens_per_step = global_batch_size * seq_len
-        self.states = {"model": _Model(model), "optimizer": _Optimizer(model, optimizer),
-                       "lr_scheduler": _Scheduler(scheduler), "dataloader": self.data,
+        self.states = {"model": _Model(parts), "optimizer": _Optimizer(optimizers),
+                       "lr_scheduler": _Scheduler(optimizers.schedulers), "dataloader": self.data,
                        "train_state": self.train_state, "rng": _Rng(torch.cuda.is_available())}
         self.rank = dist.get_rank()
         self.pending: tuple[Path, Path, dict, Any] | None = None
@@ -348,9 +363,10 @@ class CheckpointManager:
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
             full = adapter.from_hf(read_safetensors(path), self.args)
-            check_shapes({k: v.shape for k, v in self.model.state_dict().items()},
+            check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
                          {k: v.shape for k, v in full.items()}, str(path))
-            _assign_full(self.model, full)
+            for part in self.parts:
+                _assign_full(part, full)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 
@@ -435,7 +451,7 @@ class CheckpointManager:
         _warn(f"{msg}; training continues (checkpoint.on_save_error = continue)")
 
     def _export(self, step: int, dtype: torch.dtype) -> None:
-        sd = {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}
+        sd = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
         tmp, final = self.root / f"export-step-{step}.tmp", self.root / f"export-step-{step}"
         dcp.save({"model": sd}, checkpoint_id=str(tmp))
         if self.rank == 0:

@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import ConfigError, Data, Validation
+from titanlite.config import Data, Validation
+from titanlite.errors import ConfigError
 from titanlite.sources import parse_mix, probe_source, read_documents, source_name
 from titanlite.tokenizer import Tokenizer
 

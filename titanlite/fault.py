@@ -36,16 +36,13 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import Comm, Training
+from titanlite.errors import RunError
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
 # collective with it reach their own deadlines (the same timeout, armed within a step's
 # skew) and write their own reports, instead of failing on its closed connection.
 HANG_EXIT_GRACE_S = 5.0
-
-
-class RunError(RuntimeError):
-    """A failure during training, reported as one line `titanlite: error: ...`, exit 1."""
 
 
 def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
@@ -86,6 +83,10 @@ def dump_hang_report(folder: Path, rank: int, reason: str, exc: BaseException | 
     return path
 
 
+# The config key that bounds each phase of a step (comm.<key>)
+_PHASE_DEADLINES = {"compute": "train_timeout_s", "logging": "train_timeout_s",
+                    "checkpoint save": "save_timeout_s", "validation": "validation_timeout_s"}
+
 _active: Guard | None = None
 """This process's guard while training runs, for as_run_error()."""
 
@@ -111,6 +112,7 @@ class Guard:
         self.signal_name: str | None = None
         self._deadline = float("inf")
         self._what = ""
+        self._phase = "start-up"
         self._lock = threading.RLock()  # re-entered by the signal handler on the main thread
         self._closed = threading.Event()
         self._fired = threading.Event()
@@ -146,10 +148,20 @@ class Guard:
     def _set_deadline(self, seconds: float, what: str) -> None:
         self._deadline, self._what = time.monotonic() + seconds, f"{what} ({seconds:g} s)"
 
+    def phase(self, name: str) -> None:
+        """Start a phase of the step: compute, checkpoint save, logging or validation. Each has
+        its own deadline, and a hang report names the phase it stopped in."""
+        key = _PHASE_DEADLINES[name]
+        if name == "compute" and self.step == self.first_step:
+            key = "init_timeout_s"  # this process's first step also compiles and warms up
+        self.arm(getattr(self.comm, key), f"comm.{key}")
+        with self._lock:
+            self._phase = name
+
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
             with self._lock:
-                expired, what = time.monotonic() > self._deadline, self._what
+                expired, what = time.monotonic() > self._deadline, f"{self._what} in {self._phase}"
             if expired:
                 self._fired.set()
                 path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
@@ -170,18 +182,11 @@ class Guard:
     def start_step(self, step: int) -> None:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.step = step
-        if step == self.first_step:
-            self.arm(self.comm.init_timeout_s, "comm.init_timeout_s")
-        else:
-            self.arm(self.comm.train_timeout_s, "comm.train_timeout_s")
+        self.phase("compute")
         if ("kill", step, self.rank) in self.faults or ("kill", step, None) in self.faults:
             os.kill(os.getpid(), signal.SIGKILL)
         if ("hang", step, self.rank) in self.faults or ("hang", step, None) in self.faults:
             threading.Event().wait()
-
-    def start_save(self) -> None:
-        """A checkpoint save may follow: it gets the generous deadline of the first step."""
-        self.arm(self.comm.init_timeout_s, "comm.init_timeout_s (checkpoint save)")
 
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if ("nan", self.step, self.rank) in self.faults or ("nan", self.step, None) in self.faults:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 

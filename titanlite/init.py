@@ -1,15 +1,33 @@
 """Weight initialisation that gives the same weights on every parallel layout.
 
-Each call draws the *full* tensor from one generator that every rank advances in
-the same order, then keeps this rank's shard. A sharded parameter therefore holds
-exactly the slice of what a single process would have drawn. Only one full
-parameter exists at a time, on the init device.
+A parameter's value depends only on (seed, its canonical name, its full shape): each one is
+drawn whole from a generator seeded by the seed and the name, then this rank keeps its shard.
+So a sharded parameter holds exactly the slice a single process would draw, and a pipeline
+stage or expert shard that holds only some parameters draws the same values as the whole
+model. Only one full parameter exists at a time, on the init device.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical(fqn: str) -> str:
+    """The parameter's name in the plain single-device model (wrappers removed)."""
+    for wrapper in _WRAPPERS:
+        fqn = fqn.replace(wrapper, "")
+    return fqn
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -22,16 +40,38 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def normal_(param: torch.Tensor, std: float, generator: torch.Generator, cutoff: float | None = None) -> None:
-    """N(0, std^2), truncated at +-cutoff*std when cutoff is given."""
-    full = torch.empty(param.shape, dtype=torch.float32, device=generator.device)
+def normal_(param: torch.Tensor, name: str, seed: int, std: float, cutoff: float | None = None) -> None:
+    """N(0, std^2), truncated at +-cutoff*std when cutoff is given, drawn for `name`."""
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    full = torch.empty(param.shape, dtype=torch.float32, device=device)
+    gen = _generator(seed, canonical(name), device)
     if cutoff is None:
-        torch.nn.init.normal_(full, std=std, generator=generator)
+        torch.nn.init.normal_(full, std=std, generator=gen)
     else:
-        torch.nn.init.trunc_normal_(full, std=std, a=-cutoff * std, b=cutoff * std, generator=generator)
+        torch.nn.init.trunc_normal_(full, std=std, a=-cutoff * std, b=cutoff * std, generator=gen)
     _assign(param, full.to(param.dtype))
 
 
 @torch.no_grad()
 def ones_(param: torch.Tensor) -> None:
     param.fill_(1.0)
+
+
+@torch.no_grad()
+def zeros_(param: torch.Tensor) -> None:
+    param.zero_()
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-built (and parallelized) model on `device` and initialise it with
+    `model.init_weights(seed)`. Shared (tied) parameters stay shared: `to_empty` replaces
+    plain parameters one by one, which would untie them."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for first, *rest in (names for names in groups.values() if len(names) > 1):
+        for name in rest:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    model.init_weights(seed)

@@ -55,9 +55,9 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
-            for key, tag in TB_TAGS.items():
-                if values.get(key) is not None:
-                    self.writer.add_scalar(tag, values[key], step)
+            for key, value in values.items():
+                if value is not None:  # a model's extra losses and hook scalars under train/
+                    self.writer.add_scalar(TB_TAGS.get(key, f"train/{key}"), value, step)
         mfu = "-" if values["mfu_pct"] is None else f"{values['mfu_pct']:.1f}%"
         print(f"step {step:6d}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.4f}  "
               f"lr {values['lr']:.2e}  tok/s/dev {values['tokens_per_sec']:,.0f}  mfu {mfu}  "

@@ -1,4 +1,8 @@
-"""The seam between the framework and a model family folder under models/."""
+"""The seam between the framework and a model family folder under models/.
+
+The folder is importable as `titanlite.models.<name>` (titanlite/models links to the repo's
+models/ and is installed with the package), so copying a folder registers a new family.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,12 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-import models
-from titanlite.config import ConfigError
+import titanlite.models
+from titanlite.errors import ConfigError
+
+
+def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], Any]]:
+    return []
 
 
 @dataclass(frozen=True)
@@ -20,26 +28,42 @@ class ModelSpec:
     flavors: dict[str, Any]
     """Flavor name -> the family's ModelArgs dataclass."""
     build: Callable[[Any], nn.Module]
-    """ModelArgs -> single-device model, built on whatever device is current (meta)."""
-    parallelize: Callable[..., None]
-    """(model, meshes: titanlite.dist.Meshes, opts: ParallelizeOptions) -> None, in place."""
+    """ModelArgs -> single-device model, built on whatever device is current (meta). Its
+    forward(tokens, ctx) returns logits; it must also run when the `pre` modules are
+    nn.Identity (it then receives hidden states) and when the `post` ones are (it then
+    returns hidden states): that is how pipeline stages are cut."""
+    tp_plan: Callable[[bool], Any]
+    """loss_parallel -> titanlite.parallel.tensor.TPPlan: the family's tensor-parallel plan."""
     flops_per_token: Callable[[Any, int], float]
-    """(ModelArgs, seq_len) -> training FLOPs per token (forward + backward)."""
-    validate: Callable[[Any, Any], None] = lambda args, dims: None
+    """(ModelArgs, seq_len) -> training FLOPs per token (forward + backward), activated
+    parameters only."""
+    check_layout: Callable[[Any, Any], None] = lambda args, dims: None
     """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model."""
     hf: Any = None
     """titanlite.hf_io.HFAdapter mapping weights and config to transformers, if the family has one."""
+    blocks: str = "layers"
+    """Attribute holding the transformer blocks: an nn.ModuleDict keyed "0".."n-1"."""
+    pre: tuple[str, ...] = ("tok_embeddings",)
+    """Top-level modules that run before the blocks (kept by the first pipeline stage only)."""
+    post: tuple[str, ...] = ("norm", "output")
+    """Top-level modules that run after the blocks (kept by the last pipeline stage only)."""
+    post_step_hooks: Callable[[list[nn.Module], Any], list[Callable[[], Any]]] = _no_hooks
+    """(model parts, titanlite.parallel.mesh.Meshes) -> callables run after every optimizer step
+    (e.g. a router-bias update); each may return {name: scalar tensor} to log on logged steps."""
+    extra_losses: tuple[str, ...] = ()
+    """Names of the extra loss terms the model adds with titanlite.loss.add_extra_loss; each is
+    logged like the loss (its global sum over the global target count)."""
 
 
 def available() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.ispkg)
+    return sorted(m.name for m in pkgutil.iter_modules(titanlite.models.__path__) if m.ispkg)
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """Import models.<name> and return its SPEC; copying a folder registers a new family."""
+    """Import titanlite.models.<name> and return its SPEC."""
     if name not in available():
         raise ConfigError(f"model.name: unknown model '{name}'; available: {', '.join(available())}")
-    return importlib.import_module(f"models.{name}").SPEC
+    return importlib.import_module(f"titanlite.models.{name}").SPEC
 
 
 def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int) -> Any:

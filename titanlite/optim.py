@@ -1,4 +1,9 @@
-"""AdamW and the warmup-stable-decay learning-rate schedule."""
+"""AdamW and the warmup-stable-decay learning-rate schedule, for a list of model parts.
+
+Each part gets its own AdamW and schedule: torch's checkpoint helpers map an optimizer's
+state to the parameter names of one module, and names are what let a checkpoint load on
+another pipeline layout. They step together; to the loop they are one optimizer.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,46 @@ import math
 
 import torch
 import torch.nn as nn
+from dataclasses import dataclass
+
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+@dataclass
+class Optimizers:
+    """One AdamW and one LR schedule per model part, used as one."""
+
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[LambdaLR]
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        """`found_inf` (fused AdamW only): a device flag, 1.0 skips the update on the device."""
+        for opt in self.optimizers:
+            if found_inf is not None:
+                opt.found_inf = found_inf
+            opt.step()
+
+    def step_schedule(self) -> None:
+        for sched in self.schedulers:
+            sched.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+
+def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int) -> Optimizers:
     fused = cfg.implementation == "fused"
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused, foreach=not fused)
+    opts = [torch.optim.AdamW(part.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                              weight_decay=cfg.weight_decay, fused=fused, foreach=not fused) for part in parts]
+    return Optimizers(parts, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
 
 
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:

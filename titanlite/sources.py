@@ -16,7 +16,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte tokenizer
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

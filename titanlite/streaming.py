@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import ConfigError, Data
+from titanlite.config import Data
+from titanlite.errors import ConfigError
 from titanlite.sources import source_name, stream_documents
 from titanlite.tokenizer import Tokenizer
 
@@ -38,6 +39,12 @@ class StreamingSamples(IterableDataset):
         self.row0 = dp_rank * (global_batch_size // dp_degree)
         self.accum = global_batch_size // (local_batch_size * dp_degree)
         self.next_micro: int | None = None
+        self.start_micro = 0
+
+    def resume_at(self, global_batch: int) -> None:
+        """Start at this global batch: the stream is replayed from its beginning up to there
+        (exact, at a cost that grows with the position). Call before iter()."""
+        self.start_micro = global_batch * self.accum
 
     def _documents(self, epoch: int) -> Iterator[np.ndarray]:
         tok, c = self.tokenizer, self.cfg
@@ -74,7 +81,7 @@ class StreamingSamples(IterableDataset):
         info = get_worker_info()
         stride = info.num_workers if info else 1
         if self.next_micro is None:
-            self.next_micro = info.id if info else 0
+            self.next_micro = self.start_micro + (info.id if info else 0)
         first, rows = self._first_sample(self.next_micro), []
         for g, sample in enumerate(self.samples()):
             if g < first:

@@ -13,7 +13,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 # Any of these in a folder means AutoTokenizer has something to load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",

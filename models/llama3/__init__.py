@@ -4,7 +4,7 @@ from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
-from .parallelize import parallelize, validate
+from .parallelize import check_layout, tp_plan
 
 _LLAMA31 = dict(rope_scaling_factor=8.0)
 _LLAMA32 = dict(rope_scaling_factor=32.0, tie_embeddings=True)
@@ -36,5 +36,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * dense + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-SPEC = ModelSpec(name="llama3", flavors=flavors, build=Transformer, parallelize=parallelize,
-                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER)
+SPEC = ModelSpec(name="llama3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
+                 flops_per_token=flops_per_token, check_layout=check_layout, hf=ADAPTER)

@@ -90,11 +90,6 @@ class Attention(nn.Module):
         out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
-        for lin in (self.wq, self.wk, self.wv):
-            init.normal_(lin.weight, std, gen, cutoff=3.0)
-        init.normal_(self.wo.weight, out_std, gen, cutoff=3.0)
-
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int):
@@ -106,31 +101,18 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, std: float, out_std: float, gen: torch.Generator) -> None:
-        init.normal_(self.w1.weight, std, gen, cutoff=3.0)
-        init.normal_(self.w3.weight, out_std, gen, cutoff=3.0)
-        init.normal_(self.w2.weight, out_std, gen, cutoff=3.0)
-
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
-        # deeper blocks start smaller so the residual stream does not grow with depth
-        self.out_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, ctx)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self, gen: torch.Generator) -> None:
-        init.ones_(self.attention_norm.weight)
-        init.ones_(self.ffn_norm.weight)
-        self.attention.init_weights(0.02, self.out_std, gen)
-        self.feed_forward.init_weights(0.02, self.out_std, gen)
 
 
 class Transformer(nn.Module):
@@ -139,7 +121,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # a dict keeps parameter names stable if layers are ever removed (pipeline stages)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -147,22 +129,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
 
-    def init_weights(self, gen: torch.Generator) -> None:
-        """Fill every parameter and buffer; call after `to_empty` on the target device."""
+    def init_weights(self, seed: int) -> None:
+        """Fill the RoPE tables and every parameter this module holds (a pipeline stage holds
+        some); call after `to_empty`. A value depends only on (seed, its name, its shape)."""
         angles = torch.outer(torch.arange(self.args.max_seq_len, dtype=torch.float64), rope_frequencies(self.args))
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
-        out_std = self.args.dim ** -0.5
-        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            # to_empty from meta gives each module its own copy of a plain shared parameter
-            # (DTensor parameters are swapped in place and stay shared): tie them again
-            self.output.weight = self.tok_embeddings.weight
-        if not self.args.tie_embeddings:
-            init.normal_(self.tok_embeddings.weight, 1.0, gen)
-        for layer in self.layers.values():
-            layer.init_weights(gen)
-        init.ones_(self.norm.weight)
-        init.normal_(self.output.weight, out_std, gen, cutoff=3.0)
+        for name, param in self.named_parameters():
+            name = init.canonical(name)
+            if name.endswith("norm.weight"):
+                init.ones_(param)
+            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+                init.normal_(param, name, seed, 1.0)
+            elif name in ("tok_embeddings.weight", "output.weight"):
+                # tied or not, drawn as the output's table, on whichever stage holds it
+                init.normal_(param, "output.weight", seed, self.args.dim ** -0.5, cutoff=3.0)
+            else:  # layers.<i>.<attention|feed_forward>.<linear>.weight
+                layer, linear = int(name.split(".")[1]), name.split(".")[-2]
+                # deeper blocks write smaller updates so the residual stream does not grow with depth
+                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
+                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] -> logits [B, S, vocab]."""

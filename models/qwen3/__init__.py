@@ -4,7 +4,7 @@ from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
-from .parallelize import parallelize, validate
+from .parallelize import check_layout, tp_plan
 
 # Shapes of the released Qwen/Qwen3-* configs (rope_theta 1e6, rms eps 1e-6, 40960 positions).
 # The sizes up to 4B tie the output projection to the embeddings.
@@ -29,5 +29,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * dense + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-SPEC = ModelSpec(name="qwen3", flavors=flavors, build=Transformer, parallelize=parallelize,
-                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER)
+SPEC = ModelSpec(name="qwen3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
+                 flops_per_token=flops_per_token, check_layout=check_layout, hf=ADAPTER)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 from titanlite.hf_io import HFAdapter
 
 from .model import ModelArgs

@@ -1,8 +1,8 @@
 """Convert model weights between formats, in one process.
 
-    python -m titanlite.convert dcp hf    CKPT_DIR  HF_DIR    [--dtype bfloat16] [--max-shard-gb 5]
-    python -m titanlite.convert hf  dcp   HF_DIR    CKPT_DIR  [--model llama3]
-    python -m titanlite.convert dcp torch CKPT_DIR  FILE.pt   [--dtype bfloat16]
+    python -m titanlite.tools.convert dcp hf    CKPT_DIR  HF_DIR    [--dtype bfloat16] [--max-shard-gb 5]
+    python -m titanlite.tools.convert hf  dcp   HF_DIR    CKPT_DIR  [--model llama3]
+    python -m titanlite.tools.convert dcp torch CKPT_DIR  FILE.pt   [--dtype bfloat16]
 
 dcp is a titanlite checkpoint folder (step-N, export-step-N or a converted one; only the
 model is read). hf is a transformers folder (config.json + safetensors). torch is one
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from titanlite.checkpoint import load_tensors, read_info, write_model_checkpoint
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 from titanlite.hf_io import read_config, read_safetensors, write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
@@ -64,7 +64,7 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m titanlite.convert", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m titanlite.tools.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src_format", choices=FORMATS)
     parser.add_argument("dst_format", choices=FORMATS)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config import ConfigError, Data, Validation
+from titanlite.config import Data, Validation
+from titanlite.errors import ConfigError
 from titanlite.data import build_dataloader
 from titanlite.tokenizer import Tokenizer
 
@@ -60,20 +61,22 @@ class Validator:
     def due(self, step: int, last_step: int) -> bool:
         return self.val.freq > 0 and (step % self.val.freq == 0 or step == last_step)
 
-    def __call__(self, model: nn.Module, prepare: Callable[[dict], dict],
+    def __call__(self, parts: list[nn.Module], prepare: Callable[[dict], dict],
                  loss_sum: Callable[[dict], torch.Tensor], device: torch.device) -> float:
         """Mean validation loss. `prepare` turns a loader micro-batch into this rank's part of it
         (as in training, so targets are counted once over dp x cp); `loss_sum` is the
-        trainer's summed token loss of a prepared micro-batch."""
+        step's summed token loss of a prepared micro-batch (forward only)."""
         self.loader.load_state_dict(self.start)  # the same batches every time
         accum = self.global_batch_size // (self.local_batch_size * self.dp_degree)
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target count
-        model.eval()
+        for part in parts:
+            part.eval()
         with torch.no_grad():
             for raw, _ in zip(self.loader, range(self.val.steps * accum)):
                 batch = prepare(raw)
                 totals[0] += loss_sum(batch).double()
                 totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
-        model.train()
+        for part in parts:
+            part.train()
         dist.all_reduce(totals, group=self.group)
         return (totals[0] / totals[1]).item()

@@ -7,11 +7,14 @@ checked in preflight so an unsupported build or machine fails with one line befo
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn as nn
 
-from titanlite.config import ConfigError, Float8
+from titanlite.config import Float8
+from titanlite.errors import ConfigError
 
 
 def preflight(cfg: Float8, device: str, tp: int) -> None:
@@ -49,12 +52,11 @@ def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
         blocks[name] = convert_to_float8_training(blocks[name], config=f8, module_filter_fn=_fits)
 
 
-def needs_scale_precompute(cfg: Float8, fsdp: bool) -> bool:
-    return cfg.enable and fsdp and cfg.recipe == "tensorwise" and cfg.enable_fsdp_float8_all_gather
-
-
-def precompute_scales(model: nn.Module) -> None:
-    """After the optimizer step: one all-reduce for every float8 weight scale, instead of one each."""
+def post_step_hooks(cfg: Float8, fsdp: bool, parts: list[nn.Module]) -> list[Callable[[], None]]:
+    """With FSDP's float8 all-gather: after each optimizer step, one all-reduce for every float8
+    weight scale of a part, instead of one per weight in the next forward."""
+    if not (cfg.enable and fsdp and cfg.recipe == "tensorwise" and cfg.enable_fsdp_float8_all_gather):
+        return []
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    return [partial(precompute_float8_dynamic_scale_for_fsdp, part) for part in parts]

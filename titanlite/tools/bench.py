@@ -1,4 +1,4 @@
-"""Throughput benchmark: `python -m titanlite.bench --config X [bench flags] [--section.key value ...]`.
+"""Throughput benchmark: `python -m titanlite.tools.bench --config X [bench flags] [--section.key value ...]`.
 
 Runs the real trainer for warm-up + N steps and reports, over the N timed steps only,
 ms/step, tokens/s per device, MFU and peak memory, as a table and as JSON. MFU is taken
@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import config
-from titanlite.config import ConfigError, JobConfig
-from titanlite.metrics import device_peak_flops
+from titanlite import config_load
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.metrics import device_peak_flops, peak_memory_gib
+from titanlite.preflight import param_dtype, preflight
 
 BENCH_FLAGS = {"--ngpu": int, "--repeat": int, "--warmup": int, "--steps": int, "--out": str, "--_role": str, "--_result": str}
 BENCH_SWITCHES = ("--peer", "--torchtitan", "--track-memory")
@@ -60,7 +62,7 @@ class BenchArgs:
 
 
 def parse_args(argv: list[str]) -> tuple[BenchArgs, list[str]]:
-    """Split bench flags from trainer overrides (which config.load checks)."""
+    """Split bench flags from trainer overrides (which config_load.load checks)."""
     args, rest, i = BenchArgs(), [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -167,14 +169,13 @@ def _timed_window(rows: list[dict], warmup: int, tokens_per_step: float) -> floa
 def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
     """Train under the real trainer; returns rank 0's result (None on other ranks)."""
     from titanlite import train
+    from titanlite.parallel.mesh import pick_device
 
     dump = tempfile.mkdtemp(prefix="titanlite-bench-")
-    cfg, _ = config.load(trainer_argv(args, rest, dump))
-    plan = train.preflight(cfg, config.world_size())
-    from titanlite.dist import pick_device
-
+    cfg, _ = config_load.load(trainer_argv(args, rest, dump))
+    plan = preflight(cfg, config_load.world_size())
     device = pick_device(cfg.training.device)
-    dtype = train._dtype(cfg.training.mixed_precision_param, device)
+    dtype = param_dtype(cfg.training.mixed_precision_param, device)
     rate = matmul_rate(device, dtype)
     mem: dict = {"device": device.type}
     with tensor_memory_peak(args.track_memory, mem):
@@ -202,7 +203,7 @@ def _summary(name: str, cfg: JobConfig, plan, args: BenchArgs, seconds: float, t
     peak = device_peak_flops(device) if device.type == "cuda" else measured
     result = {
         "name": name, "model": f"{cfg.model.name} {cfg.model.flavor}", "layout": str(plan.dims),
-        "world_size": len(per_rank), "device": _device_name(device), "dtype": str(_param_dtype(cfg, device)).removeprefix("torch."),
+        "world_size": len(per_rank), "device": _device_name(device), "dtype": str(param_dtype(cfg.training.mixed_precision_param, device)).removeprefix("torch."),
         "threads": torch.get_num_threads(), "global_batch_size": plan.global_batch_size,
         "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
         "warmup_steps": args.warmup, "timed_steps": args.steps,
@@ -218,12 +219,6 @@ def _summary(name: str, cfg: JobConfig, plan, args: BenchArgs, seconds: float, t
     return result
 
 
-def _param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    from titanlite.train import _dtype
-
-    return _dtype(cfg.training.mixed_precision_param, device)
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -237,7 +232,7 @@ def launch(role: str, args: BenchArgs, rest: list[str]) -> dict:
     if args.track_memory:
         flags.append("--track-memory")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ngpu}",
-           "-m", "titanlite.bench", *flags, *rest]
+           "-m", "titanlite.tools.bench", *flags, *rest]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     # gloo can abort in teardown after the work is done: the result file is the proof of success
     if not result.exists():
@@ -248,13 +243,31 @@ def launch(role: str, args: BenchArgs, rest: list[str]) -> dict:
     return data
 
 
+def run_peer(args: BenchArgs, rest: list[str]) -> dict | None:
+    """The transformers peer on the same job; returns rank 0's result (None on other ranks)."""
+    from titanlite.parallel.mesh import init_process_group, pick_device
+    from titanlite.tools.bench_peer import time_peer
+
+    cfg, _ = config_load.load(trainer_argv(args, rest, None))
+    plan = preflight(cfg, config_load.world_size())
+    device = pick_device(cfg.training.device)
+    dtype = param_dtype(cfg.training.mixed_precision_param, device)
+    rate = matmul_rate(device, dtype)
+    init_process_group(device, cfg.comm.init_timeout_s)
+    seconds = time_peer(args, cfg, plan, device, dtype)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"matmul_flops": rate})
+    if dist.get_rank():
+        return None
+    tokens_per_step = plan.global_batch_size * cfg.training.seq_len / dist.get_world_size()
+    flops = plan.spec.flops_per_token(plan.args, cfg.training.seq_len)
+    return _summary("transformers", cfg, plan, args, seconds, tokens_per_step, flops, device, per_rank,
+                    peak_memory_gib(device))
+
+
 def worker(args: BenchArgs, rest: list[str]) -> dict | None:
     try:
-        if args.role == "peer":
-            from titanlite.bench_peer import run_peer
-
-            return run_peer(args, rest)
-        return run_titanlite(args, rest)
+        return run_peer(args, rest) if args.role == "peer" else run_titanlite(args, rest)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -293,9 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             elif result is not None:
                 print_table([result])
             return
-        cfg, _ = config.load(trainer_argv(args, rest, None))
-        from titanlite.train import preflight
-
+        cfg, _ = config_load.load(trainer_argv(args, rest, None))
         plan = preflight(cfg, args.ngpu)  # bad input fails here, before any launch
         if args.peer and (plan.dims.tp > 1 or plan.dims.cp > 1):
             raise ConfigError("--peer compares data-parallel layouts only; drop tp/cp degrees")
@@ -310,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     for role, result in zip(roles, results):
         result["repeats_tokens_per_sec"] = [r["tokens_per_sec_per_device"] for r in runs[role]]
     if args.torchtitan:
-        from titanlite.bench_peer import run_torchtitan
+        from titanlite.tools.bench_peer import run_torchtitan
 
         tt = run_torchtitan(args, cfg, plan)
         if tt is not None:
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out or Path(cfg.job.dump_folder) / "bench.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "command": " ".join(["python -m titanlite.bench", *argv]),
+              "command": " ".join(["python -m titanlite.tools.bench", *argv]),
               "torch": torch.__version__, "python": sys.version.split()[0], "results": results}
     if args.peer:
         import transformers

@@ -1,4 +1,9 @@
-"""Model-agnostic parallel helpers that a model's parallelize.py composes in order."""
+"""The one parallelize order, for every model family and every model part:
+
+float8 -> tensor parallel -> activation checkpointing -> per-block compile -> FSDP (blocks
+bottom-up, then the root). Context parallel needs no module change (attention reads the
+cp group from its AttnContext); a pipeline stage is cut before this runs on it.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,17 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config import ActivationCheckpoint, Compile, Float8
+from titanlite.model_spec import ModelSpec
+from titanlite.parallel.float8 import apply_float8
+from titanlite.parallel.mesh import Meshes
+from titanlite.parallel.tensor import apply_tp, between_layout
 
 
 @dataclass(frozen=True)
@@ -66,18 +72,6 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
             blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
 
 
-def wait_on_output(module: nn.Module) -> None:
-    """Make `module` return a plain tensor where tensor parallel leaves an AsyncCollectiveTensor
-    (the embedding's reduce-scatter is issued async). A compiled block given one as input
-    answers in backward with a plain gradient that DTensor's redistribute cannot take
-    (torch 2.13); the first block needs the value at once, so waiting loses no overlap."""
-    def wait(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
-        # a non-view op waits and unwraps (a view would stay async); the copy is one activation
-        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
-
-    module.register_forward_hook(wait)
-
-
 def apply_compile(blocks: nn.ModuleDict) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
@@ -106,44 +100,16 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, opts: 
             module.set_force_sum_reduction_for_comms(True)
 
 
-@torch.no_grad()
-def reduce_partial_grads(params: list[nn.Parameter]) -> None:
-    """Give each DTensor gradient its parameter's layout.
-
-    Without FSDP (which does this itself), a replicated parameter used on sharded
-    activations (a sequence-parallel norm) gets a Partial gradient and a row-wise
-    embedding a Replicate one. Reducing once here spares the optimizer from doing
-    it in every foreach op, and lets the norm below count each shard once.
-    """
-    for p in params:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-
-
-def _owns(g: torch.Tensor) -> bool:
-    """Whether this rank counts this gradient shard, so that each distinct shard counts once."""
-    if not isinstance(g, DTensor):
-        return not dist.is_initialized() or dist.get_rank() == 0  # the same on every rank
-    if any(pl.is_partial() for pl in g.placements):
-        raise RuntimeError(f"local_grad_sq: gradient with placements {g.placements} is not reduced; "
-                           "call reduce_partial_grads first")
-    if g.device_mesh.size() != dist.get_world_size():
-        raise RuntimeError(f"local_grad_sq: gradient on {g.device_mesh} does not span all ranks; "
-                           "parallelize every parameter over the whole mesh")
-    coord = g.device_mesh.get_coordinate()
-    return not any(c and pl.is_replicate() for c, pl in zip(coord, g.placements))
-
-
-@torch.no_grad()
-def local_grad_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    """This rank's share of the squared global L2 gradient norm, over every rank and mesh dimension.
-
-    Each rank squares the norm of the gradient shards it owns (a shard replicated over HSDP
-    replicas or TP ranks is owned once), so one SUM all-reduce over all ranks, whatever the
-    mesh, gives the square of the global norm (fault.Guard.end_step makes that reduction).
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    owned = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _owns(g)]
-    if not owned:
-        return torch.zeros((), device=grads[0].device if grads else torch.device("cpu"))
-    return torch.nn.utils.get_total_norm(owned, norm_type=2.0, foreach=True).float() ** 2
+def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: ParallelizeOptions) -> None:
+    """Apply every parallel dimension to `model` (a whole model or a pipeline stage), in place."""
+    blocks = getattr(model, spec.blocks)
+    if opts.float8.enable:
+        apply_float8(blocks, opts.float8, fsdp=meshes.dims.fsdp)
+    if meshes.dims.tp > 1:
+        plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
+        apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel)
+    apply_ac(blocks, opts.activation_checkpoint)
+    if opts.compile.enable:
+        apply_compile(blocks)
+    if meshes.dims.fsdp:
+        apply_fsdp(model, blocks, meshes.fsdp, opts)

@@ -1,4 +1,4 @@
-"""Memory estimate per rank before launch: `python -m titanlite.estimate --config X --ngpu N [overrides]`.
+"""Memory estimate per rank before launch: `python -m titanlite.tools.estimate --config X --ngpu N [overrides]`.
 
 Nothing real is allocated: parameter shapes come from the model built on the meta device,
 their per-rank share from the mesh arithmetic (FSDP shards dim 0 over dp_shard x cp, TP
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from titanlite import config
-from titanlite.config import ConfigError, JobConfig
-from titanlite.dist import ParallelDims
+from titanlite import config_load
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallel.mesh import ParallelDims
 
 GIB = 2**30
 
@@ -81,7 +82,7 @@ def block_activation_elems(args, mode: str, selective_every: int, selective_type
 
 
 def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
-    from titanlite.train import preflight
+    from titanlite.preflight import preflight
 
     plan = preflight(cfg, world_size)
     dims, args, t, ac = plan.dims, plan.args, cfg.training, cfg.activation_checkpoint
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         ngpu, rest = _parse(argv)
-        cfg, _ = config.load(rest)
+        cfg, _ = config_load.load(rest)
         e, dims = estimate(cfg, ngpu)
     except ConfigError as err:
         sys.exit(f"titanlite: error: {err}")

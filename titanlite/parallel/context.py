@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 # torch 2.13 renamed these; older releases only have the *_tensor names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def validate(seq_len: int, cp_degree: int) -> None:
+def check_seq_len(seq_len: int, cp_degree: int) -> None:
     """Refuse a sequence length the head-tail layout cannot split evenly."""
     if cp_degree > 1 and seq_len % (2 * cp_degree):
         raise ConfigError(f"training.seq_len {seq_len} is not divisible by 2 x "

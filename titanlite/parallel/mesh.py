@@ -1,4 +1,4 @@
-"""Process group, device and the one DeviceMesh over [dp_replicate, dp_shard, cp, tp]."""
+"""Process group, device and the one DeviceMesh over [dp_replicate, dp_shard, cp, tp], with its named views."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite.config import ConfigError, Parallelism
+from titanlite.config import Parallelism
+from titanlite.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -93,7 +94,19 @@ class Meshes:
 
     @property
     def dp_cp(self) -> DeviceMesh:
+        """The ranks that hold different tokens: target counts are summed over it."""
         return self.loss["dp_cp"]
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup:
+        """The ranks whose loss sums add up to the global loss (tp ranks hold the same sum)."""
+        return self.dp_cp.get_group()
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The ranks that hold the same model part as this one (all of them without pipeline
+        stages): titanlite.parallel.grad_norm counts each parameter once among them."""
+        return list(range(dist.get_world_size()))
 
 
 def pick_device(choice: str) -> torch.device:

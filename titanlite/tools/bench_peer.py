@@ -1,6 +1,6 @@
-"""Peers for `titanlite.bench`: the same model shape trained by other code.
+"""Peers for `titanlite.tools.bench`: the same model shape trained by other code.
 
-`run_peer` trains a Hugging Face transformers LlamaForCausalLM in a plain PyTorch loop
+`time_peer` times a Hugging Face transformers LlamaForCausalLM in a plain PyTorch loop
 (DistributedDataParallel over gloo/NCCL when there are several ranks) with the same
 micro-batch, accumulation, dtype, optimizer and thread count as the titanlite run.
 `run_torchtitan` runs torchtitan itself where it is installed on a CUDA machine.
@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titanlite import config
-from titanlite.metrics import peak_memory_gib
 
 
 def hf_llama(args, dtype: torch.dtype) -> torch.nn.Module:
@@ -36,18 +34,10 @@ def hf_llama(args, dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(hf_cfg).to(dtype)
 
 
-def run_peer(bench_args, rest: list[str]) -> dict | None:
-    from titanlite.bench import _summary, matmul_rate, trainer_argv
-    from titanlite.dist import init_process_group, pick_device
-    from titanlite.train import _dtype, preflight
-
-    cfg, _ = config.load(trainer_argv(bench_args, rest, None))
-    plan = preflight(cfg, config.world_size())
+def time_peer(bench_args, cfg, plan, device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds for `bench_args.steps` steps of the transformers peer after its warm-up, on the
+    process group titanlite.tools.bench set up; the same batch, optimizer and clipping."""
     t = cfg.training
-    device = pick_device(t.device)
-    dtype = _dtype(t.mixed_precision_param, device)
-    rate = matmul_rate(device, dtype)
-    init_process_group(device, cfg.comm.init_timeout_s)
     torch.manual_seed(t.seed)
     # fp32 master weights with autocast, as titanlite keeps them (FSDP mixed precision or autocast)
     model = hf_llama(plan.args, torch.float32).to(device)
@@ -88,15 +78,7 @@ def run_peer(bench_args, rest: list[str]) -> dict | None:
         loss = step()
     loss.item()
     _sync(device)
-    seconds = time.perf_counter() - start
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, {"matmul_flops": rate})
-    if dist.get_rank():
-        return None
-    tokens_per_step = plan.global_batch_size * t.seq_len / world
-    flops = plan.spec.flops_per_token(plan.args, t.seq_len)
-    return _summary("transformers", cfg, plan, bench_args, seconds, tokens_per_step, flops, device, per_rank,
-                    peak_memory_gib(device))
+    return time.perf_counter() - start
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,193 @@
+"""The seams pipeline and expert parallelism build on: per-parameter initialisation, extra
+loss terms, the gradient norm over disjoint and partial meshes, the one parallelize order
+(float8 for every family), per-phase watchdog deadlines, and an acyclic import graph."""
+
+import ast
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from harness import REPO, _env
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from titanlite import init
+from titanlite.config import ActivationCheckpoint, Compile, Float8
+from titanlite.loss import add_extra_loss, extra_losses
+from titanlite.model_spec import get_model_spec
+from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.grad_norm import local_grad_sq
+from titanlite.parallel.mesh import ParallelDims
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_tied"])
+def test_a_stage_with_some_layers_initialises_them_as_the_whole_model(family, flavor):
+    spec = get_model_spec(family)
+    if flavor not in spec.flavors:
+        flavor = "debugmodel"  # qwen3's debug model is the tied one
+    args = dataclasses.replace(spec.flavors[flavor], max_seq_len=32)
+    whole = spec.build(args)
+    whole.init_weights(7)
+    for keep, pre, post in [({"1", "2"}, False, False), ({"0"}, True, False), ({"3"}, False, True)]:
+        with torch.device("meta"):
+            stage = spec.build(args)
+        for name in [n for n in stage.layers if n not in keep]:
+            del stage.layers[name]
+        for name in [*(() if pre else spec.pre), *(() if post else spec.post)]:
+            setattr(stage, name, nn.Identity())
+        init.materialize(stage, torch.device("cpu"), 7)
+        expected = dict(whole.named_parameters(remove_duplicate=False))
+        got = dict(stage.named_parameters())
+        assert got and all(torch.equal(p, expected[n]) for n, p in got.items()), (keep, pre, post)
+    other = spec.build(args)
+    other.init_weights(8)
+    assert not torch.equal(other.layers["0"].attention.wq.weight, whole.layers["0"].attention.wq.weight)
+
+
+def test_extra_loss_gets_the_gradient_of_its_share_of_the_loss():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    n_targets = torch.tensor(8.0)
+    with extra_losses(n_targets) as sums:
+        aux = (x @ w).square().sum()  # a sum over tokens
+        y = add_extra_loss(x * 2, "aux", aux)
+        (y.sum() / n_targets).backward()
+    assert torch.equal(sums["aux"], aux.detach())
+    got = w.grad.clone()
+    w.grad = None
+    ((x * 2).sum() / n_targets + (x @ w).square().sum() / n_targets).backward()
+    torch.testing.assert_close(got, w.grad, rtol=0, atol=0)
+    assert add_extra_loss(x, "aux", aux) is x  # outside a training step: nothing happens
+
+
+def _norm_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Two pipeline stages on disjoint halves of the world, each with a sharded, a replicated
+    and a plain gradient, plus one on a partial mesh (each rank alone, as copies of an expert
+    shard are): every distinct value must count exactly once in the global norm."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    world_mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "one"))
+    stage, alone = world_mesh["dp"], world_mesh["one"]  # stage: ranks {0, 1} or {2, 3}
+    stage_ranks = stage.mesh.flatten().tolist()
+    gen = torch.Generator().manual_seed(0)
+    full = {f"s{s}.{k}": torch.randn(6, 4, generator=gen) for s in range(2) for k in ("shard", "rep")}
+    full |= {f"s{s}.expert": torch.randn(4, 4, generator=gen) for s in range(2)}
+    full |= {f"s{s}.plain": torch.randn(3, generator=gen) for s in range(2)}
+    s = rank // 2
+    grads = [distribute_tensor(full[f"s{s}.shard"], stage, [Shard(0)]),
+             distribute_tensor(full[f"s{s}.rep"], stage, [Replicate()]),
+             distribute_tensor(full[f"s{s}.expert"], alone, [Replicate()]),
+             full[f"s{s}.plain"]]
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    sq = local_grad_sq(params, stage_ranks)
+    dist.all_reduce(sq)
+    expected = math.sqrt(sum(v.square().sum().item() for v in full.values()))
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({"norm": sq.sqrt().item(), "expected": expected}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes():
+    out = tempfile.mkdtemp()
+    mp.spawn(_norm_worker, args=(4, str(Path(out) / "store"), out), nprocs=4)
+    for rank in range(4):
+        r = json.loads(Path(out, f"rank-{rank}.json").read_text())
+        assert abs(r["norm"] - r["expected"]) <= 1e-6 * r["expected"], r
+
+
+def _meta_parallelized(family: str, opts: ParallelizeOptions) -> nn.Module:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        spec = get_model_spec(family)
+        with torch.device("meta"):
+            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32))
+        parallelize(model, spec, ParallelDims(1, 1, 1, 1).build_meshes("cpu"), opts)
+        return model
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_float8_converts_the_linear_layers_inside_blocks_of_every_family(family):
+    pytest.importorskip("torchao", reason="installed with the test extras")
+    from torchao.float8.float8_linear import Float8Linear
+
+    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+                              float8=Float8(enable=True))
+    model = _meta_parallelized(family, opts)
+    linears = [m for b in model.layers.values() for m in b.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, Float8Linear) for m in linears)
+    assert not isinstance(model.output, Float8Linear)  # embeddings and output stay as they are
+
+
+PHASE = """
+import sys, time, torch
+import torch.distributed as dist
+from titanlite.config import Comm, Training
+from titanlite.fault import Guard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+guard = Guard(0, sys.argv[1], Comm(train_timeout_s=1, validation_timeout_s=60), Training(), 60, start_step=1)
+guard.start_step(2)
+guard.phase("validation")
+time.sleep(3)  # longer than a training step may take, well inside validation's deadline
+guard.phase("logging")
+time.sleep(30)
+"""
+
+
+def test_each_phase_has_its_own_deadline_and_the_report_names_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", PHASE, str(tmp_path)], capture_output=True, text=True,
+                          env=_env(None), cwd=REPO, timeout=60)
+    assert proc.returncode == 124, proc.stderr
+    assert "step 2: exceeded comm.train_timeout_s (1 s) in logging" in proc.stderr, proc.stderr
+    assert "in logging" in (tmp_path / "hang" / "rank-0.txt").read_text()
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every titanlite module `path` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if node.level == 0 else f"{package}.{node.module}"
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("titanlite")}
+
+
+def test_titanlite_has_no_import_cycle_and_no_file_over_500_lines():
+    root = REPO / "titanlite"
+    modules = {}
+    for path in root.rglob("*.py"):
+        if "models" in path.relative_to(root).parts:
+            continue  # model families sit outside the framework's import graph
+        name = ".".join(("titanlite", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        modules[name] = path
+        assert len(path.read_text().splitlines()) <= 500, path
+    graph = {m: {d for d in _imports(p, m.rpartition(".")[0]) if d in modules and d != m}
+             for m, p in modules.items()}
+    assert "titanlite.errors" in graph and not graph["titanlite.errors"]
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            assert state.get(d) != 1, "import cycle: " + " -> ".join([*path, m, d])
+            if d not in state:
+                visit(d, [*path, m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])

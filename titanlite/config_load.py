@@ -1,0 +1,328 @@
+"""Loading the job config: defaults < TOML < command line, then strict checks.
+
+`python -m titanlite.config_load ARGS` runs the checks without importing torch (run_train.sh's
+first, sub-second check).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import os
+import typing
+from pathlib import Path
+
+from titanlite.config import Data, JobConfig, Validation
+from titanlite.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "train_configs"
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(section: type) -> dict[str, type]:
+    hints = typing.get_type_hints(section)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def field_docs(section: type) -> dict[str, str]:
+    """Docstrings written under each field, read from the source (Python drops them)."""
+    tree = ast.parse(inspect.getsource(section))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
+
+
+def _coerce(key: str, value: object, typ: type, from_cli: bool) -> object:
+    """Check (TOML) or parse (CLI string) one value against its declared type."""
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v]  # CLI lists are comma-separated
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(key, v, item, from_cli) for v in value]
+    name = getattr(typ, "__name__", str(typ))
+    if from_cli and isinstance(value, str):
+        try:
+            if typ is bool:
+                lowered = value.lower()
+                if lowered not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return lowered in ("true", "1")
+            if typ is int:
+                return int(value)
+            if typ is float:
+                return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {name}, got '{value}'") from None
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not typ:
+        raise ConfigError(f"{key}: expected {name}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(values: dict, section: str, key: str, raw: object, from_cli: bool) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}'{_nearest(section, list(sections))}")
+    types = _field_types(sections[section])
+    if key not in types:
+        raise ConfigError(f"unknown config key '{section}.{key}'"
+                          f"{_nearest(key, list(types))}")
+    values.setdefault(section, {})[key] = _coerce(f"{section}.{key}", raw, types[key], from_cli)
+
+
+def _read_toml(path: Path) -> dict:
+    import tomli
+
+    try:
+        with open(path, "rb") as f:
+            return tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given, else a bare file name looked up in train_configs/."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.parent == Path(".") and (CONFIG_DIR / name).is_file():
+        return CONFIG_DIR / name
+    raise ConfigError(f"config file '{name}' not found (looked in . and {CONFIG_DIR}); "
+                      "pass a path or a file name in train_configs/")
+
+
+def _parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], set[str]]:
+    config, pairs, flags = None, [], set()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--help", "-h", "--print-config", "--check"):
+            flags.add(arg)
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; options look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = "true"  # a bare flag switches a bool on; other types reject it
+        i += 1
+        if name in ("config", "job.config_file"):
+            config = value
+        elif "." not in name:
+            raise ConfigError(f"option '--{name}' must look like --section.key"
+                              f"{_nearest(name, list(_sections()))}")
+        else:
+            pairs.append((name, value))
+    return config, pairs, flags
+
+
+def load(argv: list[str]) -> tuple[JobConfig, set[str]]:
+    """Build the JobConfig from `--config FILE` and `--section.key value` overrides."""
+    config, pairs, flags = _parse_cli(argv)
+    values: dict[str, dict] = {}
+    if config is not None:
+        path = resolve_config_path(config)
+        for section, table in _read_toml(path).items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: '{section}' must be a [section] table")
+            for key, raw in table.items():
+                _set(values, section, key, raw, from_cli=False)
+    for name, raw in pairs:
+        section, _, key = name.partition(".")
+        _set(values, section, key, raw, from_cli=True)
+    sections = _sections()
+    cfg = JobConfig(**{s: sections[s](**values.get(s, {})) for s in sections})
+    check_config(cfg)
+    return cfg, flags
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}")
+
+
+def check_config(cfg: JobConfig) -> None:
+    """Checks that need no world size, model or files; everything else is checked where known."""
+    t, p, s = cfg.training, cfg.parallelism, cfg.lr_scheduler
+    for key, val in [("training.steps", t.steps), ("training.seq_len", t.seq_len),
+                     ("training.local_batch_size", t.local_batch_size),
+                     ("metrics.log_freq", cfg.metrics.log_freq),
+                     ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+                     ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
+                     ("parallelism.context_parallel_degree", p.context_parallel_degree),
+                     ("activation_checkpoint.selective_every", cfg.activation_checkpoint.selective_every),
+                     ("comm.init_timeout_s", cfg.comm.init_timeout_s),
+                     ("comm.train_timeout_s", cfg.comm.train_timeout_s),
+                     ("comm.save_timeout_s", cfg.comm.save_timeout_s),
+                     ("comm.validation_timeout_s", cfg.comm.validation_timeout_s),
+                     ("job.shutdown_timeout_s", cfg.job.shutdown_timeout_s),
+                     ("profiling.start_step", cfg.profiling.start_step),
+                     ("profiling.num_steps", cfg.profiling.num_steps)]:
+        if val < 1:
+            raise ConfigError(f"{key} must be >= 1, got {val}")
+    if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
+        raise ConfigError("parallelism.data_parallel_shard_degree must be >= 1 or -1 (the rest of "
+                          f"the world), got {p.data_parallel_shard_degree}")
+    if t.global_batch_size < 1 and t.global_batch_size != -1:
+        raise ConfigError(f"training.global_batch_size must be >= 1 or -1, got {t.global_batch_size}")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {o.lr}")
+    for key, val in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        if not 0.0 <= val < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {val}")
+    for key, val in [("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay),
+                     ("model.vocab_size", cfg.model.vocab_size)]:
+        if val < 0:
+            raise ConfigError(f"{key} must be >= 0, got {val}")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    if not 0.0 <= cfg.data.holdout_fraction < 1.0:
+        raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
+    _choice("optimizer.name", cfg.optimizer.name, ("AdamW",))
+    _choice("optimizer.implementation", cfg.optimizer.implementation, ("fused", "foreach"))
+    _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
+    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
+    _choice("training.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
+            ("default", "always", "never"))
+    _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
+    _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
+    if t.max_skipped_steps < 0:
+        raise ConfigError(f"training.max_skipped_steps must be >= 0, got {t.max_skipped_steps}")
+    pr = cfg.profiling
+    if pr.enable and pr.start_step + pr.num_steps - 1 > t.steps:
+        raise ConfigError(f"profiling: the window of steps {pr.start_step}..{pr.start_step + pr.num_steps - 1} "
+                          f"ends after training.steps ({t.steps}); lower profiling.start_step or num_steps")
+    _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
+    _choice("activation_checkpoint.selective_type", cfg.activation_checkpoint.selective_type, ("layer", "op"))
+    for component in cfg.compile.components:
+        _choice("compile.components", component, ("model", "loss"))
+    _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    if t.gc_freq < 0:
+        raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic), got {t.gc_freq}")
+    if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
+    if s.warmup_steps >= t.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps ({s.warmup_steps}) must be below training.steps "
+                          f"({t.steps}); lower it or train longer")
+    _check_data(cfg.data, cfg.validation)
+    if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is neither 'byte' nor a folder")
+    c = cfg.checkpoint
+    if c.interval < 1 or c.keep_latest_k < 0 or c.load_step < -1:
+        raise ConfigError(f"checkpoint: need interval >= 1 (got {c.interval}), keep_latest_k >= 0 "
+                          f"(got {c.keep_latest_k}) and load_step >= -1 (got {c.load_step})")
+    if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
+        raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
+    _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
+    _choice("checkpoint.on_save_error", c.on_save_error, ("stop", "continue"))
+    _choice("checkpoint.initial_load_format", c.initial_load_format, ("dcp", "hf"))
+    _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
+    if c.initial_load_path and not Path(c.initial_load_path).is_dir():
+        raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
+
+
+def _check_data(d: Data, v: Validation) -> None:
+    from titanlite.sources import check_source, parse_mix
+
+    if d.mix:
+        if d.path:
+            raise ConfigError("data.mix and data.path are both set; put every source in data.mix")
+        if d.streaming:
+            raise ConfigError("data.streaming does not support data.mix; mix local sources instead")
+        for source, _ in parse_mix(d.mix):
+            check_source(source, "data.mix")
+    check_source(d.path)
+    if d.streaming and not d.path:
+        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
+    if d.streaming and d.document_mask:
+        raise ConfigError("data.document_mask needs document boundaries, which data.streaming does not "
+                          "keep; turn one of them off")
+    check_source(v.path, "validation.path")
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
+    if v.freq < 0 or v.steps < 1:
+        raise ConfigError(f"validation: need freq >= 0 and steps >= 1, got {v.freq} and {v.steps}")
+    if v.freq and not v.path and d.holdout_fraction == 0:
+        raise ConfigError("validation.freq is set but there is no validation data: set "
+                          "data.holdout_fraction > 0 or validation.path")
+    if v.freq and not v.path and d.streaming:
+        raise ConfigError("validation.freq with data.streaming needs validation.path: a streamed "
+                          "source has no held-out tail")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged configuration as TOML text."""
+    def fmt(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    out = []
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        out.append(f"[{f.name}]")
+        out += [f"{k} = {fmt(v)}" for k, v in dataclasses.asdict(section).items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def help_text() -> str:
+    lines = ["usage: python -m titanlite.train [--config FILE] [--section.key VALUE ...] "
+             "[--print-config] [--check] [--help]",
+             "  --print-config  print the merged config as TOML and exit",
+             "  --check         validate config, layout, model and data paths, then exit", ""]
+    for name, section in _sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(section)
+        for f in dataclasses.fields(section):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{name}.{f.name} (default: {default!r})\n      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def world_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+if __name__ == "__main__":
+    # run_train.sh's first check, without importing torch: most mistakes fail in well under a second
+    import sys
+
+    try:
+        load(sys.argv[1:])
+    except ConfigError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,100 @@
+"""Tensor (Megatron-style), sequence and loss parallel, driven by a model family's plan.
+
+A family declares which modules split how (`TPPlan`); this file applies it the same way for
+every family. Between blocks the residual stream is a plain tensor: this rank's sequence
+shard with sequence parallel, else the whole sequence. Attention and feed-forward take the
+whole sequence, work on this rank's heads / hidden units, and reduce(-scatter) back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A family's tensor-parallel plan for one value of `between` (see `between_layout`)."""
+
+    root: dict[str, ParallelStyle]
+    """Top-level modules (embedding, output) -> style."""
+    block: dict[str, ParallelStyle]
+    """Module names inside one block -> style; applied to every block."""
+    root_norms: tuple[str, ...] = ()
+    block_norms: tuple[str, ...] = ()
+    """Norms on the residual stream: sequence parallel with it on, else run whole on every rank."""
+
+
+def between_layout(sequence_parallel: bool) -> Placement:
+    """The residual stream's layout between blocks, which a family's plan is written against."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Run a module whole on every TP rank, its parameters Replicate DTensors.
+
+    Plain parameters among DTensor ones would break the optimizer's and the gradient
+    clipping's foreach ops, so every parameter lives on the TP mesh.
+    """
+    def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+
+    distribute_module(module, mesh, params,
+                      input_fn=lambda mod, inputs, mesh: tuple(
+                          DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
+                      output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def wait_on_output(module: nn.Module) -> None:
+    """Make `module` return a plain tensor where tensor parallel leaves an AsyncCollectiveTensor
+    (the embedding's reduce-scatter is issued async). A compiled block given one as input
+    answers in backward with a plain gradient that DTensor's redistribute cannot take
+    (torch 2.13); the first block needs the value at once, so waiting loses no overlap."""
+    def wait(mod: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        # a non-view op waits and unwraps (a view would stay async); the copy is one activation
+        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+
+    module.register_forward_hook(wait)
+
+
+def _present(module: nn.Module, names: tuple[str, ...] | list[str]) -> list[str]:
+    # a pipeline stage holds some top-level modules as nn.Identity: nothing to split there
+    return [n for n in names if not isinstance(module.get_submodule(n), nn.Identity)]
+
+
+def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool) -> None:
+    """Split `model` over the TP mesh as `plan` says, keeping shared (tied) parameters shared."""
+    shared = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    tied = [names for names in shared.values() if len(names) > 1]
+    root = {n: plan.root[n] for n in _present(model, list(plan.root))}
+    block = dict(plan.block)
+    if sequence_parallel:
+        root |= {n: SequenceParallel() for n in _present(model, plan.root_norms)}
+        block |= {n: SequenceParallel() for n in plan.block_norms}
+    else:
+        norms = [model.get_submodule(n) for n in _present(model, plan.root_norms)]
+        norms += [b.get_submodule(n) for b in blocks.values() for n in plan.block_norms]
+        for norm in norms:
+            _replicate(norm, mesh)
+    parallelize_module(model, mesh, root)
+    for name in root:
+        if isinstance(model.get_submodule(name), nn.Embedding):
+            wait_on_output(model.get_submodule(name))  # before compiled blocks
+    for b in blocks.values():
+        parallelize_module(b, mesh, block)
+    for names in tied:
+        # parallelize_module gave each module its own copy; tied modules share a layout (e.g.
+        # embedding and output both shard the vocab), so one DTensor serves all of them
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)

@@ -1,0 +1,86 @@
+"""Everything checked before any process group or weight exists, so bad input fails fast,
+in one line, on every rank (and once, before launch, through `python -m titanlite.train --check`)."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titanlite.config import JobConfig
+from titanlite.data import probe_data
+from titanlite.errors import ConfigError
+from titanlite.model_spec import ModelSpec, get_model_spec, model_args
+from titanlite.parallel import context, float8
+from titanlite.parallel.mesh import ParallelDims, pick_device
+from titanlite.tokenizer import Tokenizer, build_tokenizer
+
+
+@dataclass
+class Plan:
+    """Everything decided before any process group or weight exists."""
+
+    dims: ParallelDims
+    spec: ModelSpec
+    args: Any
+    tokenizer: Tokenizer
+    global_batch_size: int
+    n_params: int
+    """Parameters of the whole model (counted on meta, before any sharding or pipeline cut)."""
+
+
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """All checks that need no process group, so bad input fails fast on every rank."""
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
+    spec.check_layout(args, dims)
+    context.check_seq_len(cfg.training.seq_len, dims.cp)
+    # sequence parallel splits each rank's (context-parallel) share of the sequence over tp
+    if cfg.parallelism.sequence_parallel and cfg.training.seq_len % (dims.tp * dims.cp):
+        cp = f" x context_parallel_degree {dims.cp}" if dims.cp > 1 else ""
+        raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
+                          f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
+                          "change one or set parallelism.sequence_parallel = false")
+    float8.preflight(cfg.float8, cfg.training.device, dims.tp)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
+                          "launch it without torchrun or with --nproc_per_node=1")
+    probe_data(cfg.data, cfg.validation)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
+                          f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    t = cfg.training
+    if t.device == "cuda":
+        pick_device("cuda")
+    check_writable(cfg.job.dump_folder)
+    gbs = t.local_batch_size * dims.dp if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % (t.local_batch_size * dims.dp):
+        raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
+                          f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in spec.build(args).parameters())
+    return Plan(dims, spec, args, tokenizer, gbs, n_params)
+
+
+def check_writable(folder: str) -> None:
+    """Refuse a dump folder that cannot be created or written, before any rank starts."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder: cannot write to '{folder}' ({e.strerror}); "
+                          "pick a writable folder") from None
+
+
+def param_dtype(name: str, device: torch.device) -> torch.dtype:
+    """training.mixed_precision_param on this device."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

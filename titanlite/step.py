@@ -1,0 +1,82 @@
+"""The step seam: what one optimizer step does with its micro-batches.
+
+A step object is chosen once at setup and called once per optimizer step with this rank's
+micro-batches (on the device, context-parallel sharded). It runs forward, loss and backward
+and returns a `StepOutput`; `eval_loss_sum` runs forward only (validation). `PlainStep` runs
+each micro-batch through the whole model in turn; a pipeline schedule is the other kind.
+
+The loss is the sum of token losses divided by the step's global target count, so results do
+not depend on the layout or the micro-batch split. Extra terms a model adds
+(`titanlite.loss.add_extra_loss`) are divided by the same count and returned for logging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from titanlite.attention import AttnContext
+from titanlite.loss import IGNORE_INDEX, extra_losses, loss_context
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor
+    """This rank's summed token loss over the step's micro-batches; 0 where a rank computes no
+    loss (a pipeline stage before the last). Tensor-parallel ranks hold the same value."""
+    n_targets: torch.Tensor
+    """The step's global target-token count, the same on every rank."""
+    extra_losses: dict[str, torch.Tensor]
+    """name -> this rank's sum of that extra loss term; logged like the loss (summed over the
+    loss group, divided by n_targets)."""
+
+
+def count_targets(batches: list[Batch], group: dist.ProcessGroup) -> torch.Tensor:
+    """The global number of target tokens: local (cp-sharded) labels summed over dp x cp."""
+    n = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+    dist.all_reduce(n, group=group)
+    return n
+
+
+@dataclass
+class PlainStep:
+    """Each micro-batch through the whole model: forward, loss, backward, in turn."""
+
+    model: nn.Module
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_parallel: bool
+    cp_group: dist.ProcessGroup | None
+    param_dtype: torch.dtype
+    target_group: dist.ProcessGroup
+    autocast: contextlib.AbstractContextManager
+    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+    """Fault injection for tests (titanlite.fault.Guard.inject_loss)."""
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), self.cp_group, self.param_dtype)
+        with self.autocast:
+            logits = self.model(batch["input_ids"], ctx)
+        return self.loss_fn(logits, batch["labels"])
+
+    def __call__(self, batches: list[Batch]) -> StepOutput:
+        n_targets = count_targets(batches, self.target_group)
+        loss_sum = torch.zeros((), device=n_targets.device)
+        with extra_losses(n_targets) as extra:
+            for batch in batches:
+                # loss parallel must cover the backward too
+                with loss_context(self.loss_parallel):
+                    loss = self.inject(self._loss_sum(batch))
+                    (loss / n_targets).backward()
+                loss_sum += loss.detach()
+        return StepOutput(loss_sum, n_targets, extra)
+
+    def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
+        with loss_context(self.loss_parallel):
+            return self._loss_sum(batch)
