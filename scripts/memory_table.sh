@@ -4,9 +4,9 @@ set -u
 row() {
   local ngpu=$1; shift
   local out; out=$(mktemp -d)
-  python -m titanlite.bench --ngpu "$ngpu" --warmup 1 --steps 2 --track-memory --out "$out/b.json" "$@" \
+  python -m titanlite.tools.bench --ngpu "$ngpu" --warmup 1 --steps 2 --track-memory --out "$out/b.json" "$@" \
     --job.dump_folder "$out" >/dev/null || { echo "bench failed: $*"; return 1; }
-  local est; est=$(python -m titanlite.estimate --ngpu "$ngpu" "$@" | awk '/peak per rank/{print $4}')
+  local est; est=$(python -m titanlite.tools.estimate --ngpu "$ngpu" "$@" | awk '/peak per rank/{print $4}')
   python - "$out/b.json" "$est" "$ngpu" "$*" <<'PY'
 import json, sys
 peaks = json.load(open(sys.argv[1]))["results"][0]["tensor_peak_gib_per_rank"]

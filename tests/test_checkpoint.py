@@ -190,3 +190,17 @@ def test_config_rejects_bad_checkpoint_fields():
                         (["--checkpoint.export_dtype", "int8"], "export_dtype")]:
         with pytest.raises(ConfigError, match=match):
             config_load.load(args)
+
+
+def test_streamed_run_resumes_exactly(tmp_path):
+    """data.streaming replays the stream up to the saved cursor: the resumed losses are the
+    uninterrupted run's, bit for bit."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1)})
+                              + "\n" for i in range(400)))
+    streamed = ["--data.path", str(corpus), "--data.streaming", "true"]
+    straight = train(2, job(2, 12, *streamed), dump=tmp_path / "straight")
+    train(2, job(2, 6, *streamed), dump=tmp_path / "resumed")
+    second = train(2, job(2, 12, *streamed), dump=tmp_path / "resumed")
+    assert "resumed from" in second.output
+    assert second.losses[-6:] == straight.losses[-6:]
