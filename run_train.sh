@@ -31,5 +31,8 @@ if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then
 else
   launch=(--standalone)
 fi
-exec torchrun "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter="${LOG_RANK:-0}" \
-  -m titanlite.train "$@"
+# torchrun runs under titanlite's launcher: a stop signal ends in exit 0 and the stop line, a
+# rank's failure in its own one-line error and exit code; torchrun's report goes to
+# <dump_folder>/logs/torchrun.log
+exec python -m titanlite.launch "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter="${LOG_RANK:-0}" \
+  -- "$@"

@@ -108,7 +108,8 @@ class Optimizer:
 @dataclass(frozen=True)
 class LRScheduler:
     warmup_steps: int = 10
-    """Linear warm-up steps from near zero to the peak LR."""
+    """Linear warm-up steps from near zero to the peak LR; a run of fewer steps (a smoke
+    test) shortens it to training.steps - 1."""
     decay_ratio: float = 1.0
     """Fraction of the post-warm-up steps spent decaying at the end; the steps between
     warm-up and decay hold the peak LR (warmup-stable-decay)."""

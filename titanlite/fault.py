@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from titanlite.config import Comm, Training
 from titanlite.errors import RunError
+from titanlite.launch import last_word
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
@@ -129,7 +130,7 @@ class Guard:
             # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
             # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
             if self.signal_name == name == "SIGINT":
-                print(f"titanlite: second SIGINT on rank {self.rank}; exiting now", file=sys.stderr, flush=True)
+                last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
                 os._exit(128 + signum)
             return
         self.signal_name = name
@@ -165,8 +166,8 @@ class Guard:
             if expired:
                 self._fired.set()
                 path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
-                print(f"titanlite: error: step {self.step}: exceeded {what} on rank {self.rank} (a peer rank may be "
-                      f"hung or dead); stacks written to {path}", file=sys.stderr, flush=True)
+                last_word(self.rank, HANG_EXIT_CODE, f"titanlite: error: step {self.step}: exceeded {what} on rank "
+                          f"{self.rank} (a peer rank may be hung or dead); stacks written to {path}")
                 time.sleep(HANG_EXIT_GRACE_S)
                 os._exit(HANG_EXIT_CODE)
 

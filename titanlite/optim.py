@@ -53,12 +53,27 @@ def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRSchedul
     return Optimizers(parts, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
 
 
+def warmup_steps(cfg: LRScheduler, total_steps: int) -> int:
+    """The configured warm-up, shortened to fit a run that is not longer than it (a smoke test
+    of a real config): every step but the last then warms up."""
+    return min(cfg.warmup_steps, total_steps - 1)
+
+
+def warmup_note(cfg: LRScheduler, total_steps: int) -> str | None:
+    """One line for the log when the warm-up was shortened."""
+    if warmup_steps(cfg, total_steps) == cfg.warmup_steps:
+        return None
+    return (f"titanlite: lr_scheduler.warmup_steps {cfg.warmup_steps} does not fit in training.steps "
+            f"{total_steps}; warming up for {warmup_steps(cfg, total_steps)} steps instead")
+
+
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     """LR multiplier for the optimizer step numbered `step` (0-based)."""
-    decay_steps = round(cfg.decay_ratio * (total_steps - cfg.warmup_steps))
+    warmup = warmup_steps(cfg, total_steps)
+    decay_steps = round(cfg.decay_ratio * (total_steps - warmup))
     decay_start = total_steps - decay_steps
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
     if step < decay_start or decay_steps == 0:
         return 1.0
     progress = (step - decay_start + 1) / decay_steps

@@ -25,9 +25,10 @@ from titanlite.config import JobConfig
 from titanlite.data import build_dataloader
 from titanlite.errors import ConfigError, RunError
 from titanlite.fault import Guard, enable_flight_recorder
+from titanlite.launch import last_word
 from titanlite.loss import build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
-from titanlite.optim import build_optimizers
+from titanlite.optim import build_optimizers, warmup_note
 from titanlite.parallel import context, float8
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
@@ -59,7 +60,8 @@ def run_hooks(hooks: list) -> dict[str, torch.Tensor]:
     return scalars
 
 
-def train(cfg: JobConfig, plan: Plan) -> None:
+def train(cfg: JobConfig, plan: Plan) -> str | None:
+    """Returns the run's last line: how it stopped after a signal, or None."""
     t = cfg.training
     device = pick_device(t.device)
     enable_flight_recorder(cfg.job.dump_folder)
@@ -92,7 +94,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                              final_step=t.steps)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
-        return
+        return None
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
@@ -100,8 +102,11 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
               f"{device.type}, {dtype}", flush=True)
+        if warmup_note(cfg.lr_scheduler, t.steps):
+            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
+    stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=dtype)
@@ -170,9 +175,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                         eta)
             last_log, last_log_step = now, step
         if guard.stop:
-            if rank == 0:
-                print(f"titanlite: stopped at step {step} after {guard.signal_name or 'a signal to another rank'}",
-                      flush=True)
+            stop_line = f"titanlite: stopped at step {step} after {guard.signal_name or 'a signal to another rank'}"
             break
         if validator.due(step, t.steps):
             guard.phase("validation")
@@ -190,6 +193,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     (done / f"rank-{rank}.done").write_text(json.dumps({"step": guard.step, "signal": guard.signal_name}))
     # Every marker exists before any rank starts tearing down (gloo may abort there)
     dist.barrier()
+    return stop_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,18 +208,23 @@ def main(argv: list[str] | None = None) -> None:
         plan = preflight(cfg, config_load.world_size())
         if "--check" in flags:
             return
-        train(cfg, plan)
+        line = train(cfg, plan)
+        last_word(dist.get_rank(), 0, line)
     except ConfigError as e:
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
-        print(f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
+        last_word(rank, 2, f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""))
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before training started (the Guard handles it after)
+        last_word(config_load.world_rank(), 130,
+                  "titanlite: stopped by SIGINT before training started; nothing was saved")
+        os._exit(130)
     except Exception as e:
         fault.defer_to_watchdog()
         err = e if isinstance(e, RunError) else fault.as_run_error(e)
         if err is None:
             raise
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
-        print(f"titanlite: error: {err}" + (f" [rank {rank}]" if rank else ""), file=sys.stderr, flush=True)
+        last_word(rank, 1, f"titanlite: error: {err}" + (f" [rank {rank}]" if rank else ""))
         # no process-group teardown: with a peer dead or diverged it can hang or abort
         os._exit(1)
     finally:

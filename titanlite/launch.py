@@ -1,0 +1,215 @@
+"""The launcher behind run_train.sh: torchrun under supervision, so a run ends the way titanlite says.
+
+    python -m titanlite.launch [torchrun options] -- [trainer options]
+
+Run bare, torchrun turns a forwarded SIGTERM into a traceback and exit 1, and any rank's failure
+into a 30-line report and exit 1, whatever the rank said. Here:
+
+* torchrun (the agent) runs as a child in a session of its own, with its Python logging and
+  failure report going to <dump_folder>/logs/torchrun.log; the ranks it starts still write to
+  this terminal.
+* Each rank leaves its outcome, an exit code and a last line, in a private folder named by
+  TITANLITE_REPORT_DIR (`last_word`). Once everything has exited, the launcher prints the line
+  (the earliest failure's, else the stop line) as the run's last, and exits with its code.
+* SIGTERM and SIGINT go from the launcher straight to the ranks, never through torchrun (which
+  would treat them as a failure): the ranks stop together at one step and save. A second SIGINT
+  is passed on too, and the ranks exit at once (130).
+* A rank that reported success and then died tearing down its process group (gloo sometimes
+  aborts there) has finished: that exit status is ignored. A rank that failed without a report
+  (a crash, the OOM killer) fails the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPORT_DIR_ENV = "TITANLITE_REPORT_DIR"
+KILL_AFTER_SECOND_SIGINT_S = 10  # a rank blocked in native code cannot run its handler
+
+
+def last_word(rank: int, code: int, line: str | None) -> None:
+    """A rank's outcome: its exit code and the line that should end the run's output (None:
+    nothing to say). Under the launcher it is left for the launcher to print after torchrun's
+    teardown; otherwise rank 0's line, and any rank's error, is printed now."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if folder:
+        path = Path(folder, f"rank-{rank}.json")
+        tmp = path.with_suffix(".tmp")
+        with contextlib.suppress(OSError):  # then say it here rather than not at all
+            tmp.write_text(json.dumps({"code": code, "line": line, "time": time.time()}))
+            os.replace(tmp, path)
+            return
+    if line is not None and (code or rank == 0):
+        print(line, file=sys.stderr if code else sys.stdout, flush=True)
+
+
+# -- the launcher ------------------------------------------------------------------------
+
+def _ranks_of(agent_pid: int) -> list[int]:
+    """The agent's children: the rank processes torchrun started (Linux)."""
+    pids = []
+    for children in Path(f"/proc/{agent_pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in children.read_text().split()]
+    return pids
+
+
+def _forward(agent: subprocess.Popen, signum: int) -> None:
+    """Signal the ranks; before they exist (or without /proc), torchrun, which stops them its own way."""
+    for pid in _ranks_of(agent.pid) or [agent.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _die_with_parent() -> None:
+    """In the agent before exec: if the launcher is killed outright, the agent gets SIGTERM and
+    stops the ranks (it is in another session, so nothing else would reach it)."""
+    with contextlib.suppress(Exception):  # Linux only; elsewhere the agent outlives a killed launcher
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _option(args: list[str], name: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")), None)
+
+
+def _unranked(report: dict) -> str:
+    return re.sub(r" \[rank \d+\]$", "", report["line"] or "")
+
+
+def _verdict(reports: dict[int, dict], result: dict | None, signals: list[int], nproc: int,
+             log: Path) -> tuple[int, str | None]:
+    """The launcher's exit code and last line, from what the ranks and the agent reported."""
+    if signals.count(signal.SIGINT) >= 2:
+        return 130, "titanlite: stopped at once by a second SIGINT; the step in progress was not saved"
+    errors = sorted((r["time"], rank) for rank, r in reports.items() if r["code"] != 0)
+    failures = None if result is None else result.get("failures")
+    see = f" (torchrun's report: {log})"
+    if errors:
+        # the earliest failure; said by several ranks alike (a broadcast decision), the lowest's words
+        same = [rank for _, rank in errors if _unranked(reports[rank]) == _unranked(reports[errors[0][1]])]
+        first = reports[min(same)]
+        return first["code"], first["line"] + see
+    finished = {rank for rank, r in reports.items() if r["code"] == 0}
+    if failures is not None:
+        unfinished = {int(rank): code for rank, code in failures.items() if int(rank) not in finished}
+    else:  # torchrun itself stopped (a signal, a rendezvous failure): judge by the reports alone
+        unfinished = {-1: None} if len(finished) < nproc else {}
+    if unfinished:
+        if signals:
+            name = signal.Signals(signals[0]).name
+            return 128 + signals[0], f"titanlite: stopped by {name} before training started; nothing was saved"
+        if result is not None and result.get("error"):
+            return 1, f"titanlite: error: torchrun: {result['error']}{see}"
+        rank, code = min(unfinished.items())
+        if rank < 0:
+            return 1, f"titanlite: error: torchrun ended before every rank finished{see}"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return 1, (f"titanlite: error: rank {rank} {how} without a titanlite message (a crash or a bug; "
+                   f"LOG_RANK={rank} shows its output){see}")
+    lines = [reports[rank]["line"] for rank in sorted(finished) if reports[rank]["line"]]
+    return 0, lines[0] if lines else None
+
+
+def launch(torchrun_args: list[str], train_args: list[str]) -> int:
+    from titanlite import config_load
+
+    cfg, _ = config_load.load(train_args)  # run_train.sh has checked it already
+    node = _option(torchrun_args, "--node_rank")  # given only to multi-node launches
+    log = Path(cfg.job.dump_folder, "logs", "torchrun.log" if node is None else f"torchrun-node{node}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="titanlite-launch-"))
+    signals: list[int] = []
+    agent: subprocess.Popen | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        signals.append(signum)
+        # the first signal stops the run; a second SIGINT ends it now; repeated SIGTERMs (as
+        # schedulers send) change nothing
+        if agent is not None and (len(signals) == 1 or signals.count(signal.SIGINT) == 2 == len(signals)):
+            _forward(agent, signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cmd = [sys.executable, "-m", "titanlite.launch", "--agent", str(folder / "agent.json"), str(log),
+               *torchrun_args, "-m", "titanlite.train", *train_args]
+        agent = subprocess.Popen(cmd, env={**os.environ, REPORT_DIR_ENV: str(folder)}, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
+        if signals:  # arrived while it was starting
+            _forward(agent, signals[0])
+        killed_at = None
+        while agent.poll() is None:
+            time.sleep(0.1)
+            if signals.count(signal.SIGINT) >= 2:
+                killed_at = killed_at or time.monotonic() + KILL_AFTER_SECOND_SIGINT_S
+                if time.monotonic() > killed_at:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(agent.pid, signal.SIGKILL)
+        reports = {int(p.stem[5:]): json.loads(p.read_text()) for p in folder.glob("rank-*.json")}
+        result_path = folder / "agent.json"
+        result = json.loads(result_path.read_text()) if result_path.exists() else None
+        nproc = int(_option(torchrun_args, "--nproc_per_node") or 1)
+        code, line = _verdict(reports, result, signals, nproc, log)
+        if line:
+            print(line, file=sys.stderr if code else sys.stdout, flush=True)
+        return code
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- the agent ---------------------------------------------------------------------------
+
+def agent(result: str, log: str, torchrun_argv: list[str]) -> None:
+    """torchrun in this process, its own output in `log`; what it saw goes to `result` as JSON:
+    {"failures": {rank: exit code}} (empty when all succeeded; null when torchrun was stopped by
+    a signal) and "error" when torchrun itself failed."""
+    out = open(log, "w", buffering=1)
+    # Python-level only, before torch sets up its logging: file descriptors 1 and 2, which the
+    # ranks inherit, stay the terminal's
+    sys.stdout = sys.stderr = out
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    outcome: dict = {"failures": {}}
+    try:
+        run(parse_args(torchrun_argv))
+    except ChildFailedError as e:
+        print(e.format_msg(), file=out)
+        outcome["failures"] = {rank: failure.exitcode for rank, failure in e.failures.items()}
+    except SignalException as e:
+        print(f"torchrun stopped by {e.sigval.name}", file=out)
+        outcome["failures"] = None
+    except Exception as e:  # rendezvous and the like: one line for the launcher, the rest here
+        import traceback
+
+        traceback.print_exc(file=out)
+        outcome = {"failures": None, "error": (str(e).strip().splitlines() or [type(e).__name__])[0]}
+    Path(result).write_text(json.dumps(outcome))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--agent"]:
+        agent(argv[1], argv[2], argv[3:])
+        return 0
+    if "--" not in argv:
+        print("usage: python -m titanlite.launch [torchrun options] -- [trainer options]", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    return launch(argv[:split], argv[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
