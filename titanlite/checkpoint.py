@@ -247,6 +247,54 @@ def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             param.copy_(src)
 
 
+def complete_steps(root: Path, warn: bool = True) -> list[int]:
+    """Committed step folders, newest first, skipping (with a warning) any that cannot be read."""
+    steps = []
+    candidates = [p for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name)] if root.is_dir() else []
+    for path in sorted(candidates, key=lambda p: -int(p.name[5:])):
+        try:
+            read_metadata(path)
+            read_info(path)
+            steps.append(int(path.name[5:]))
+        except ConfigError as e:
+            if warn:
+                _warn(f"skipping checkpoint: {e}")
+    return steps
+
+
+def resume_step(cfg: Checkpoint, root: Path, warn: bool = True) -> int | None:
+    """The step a run resumes from: checkpoint.load_step, else the newest complete one, else None."""
+    steps = complete_steps(root, warn)
+    if cfg.load_step == -1:
+        return steps[0] if steps else None
+    if cfg.load_step not in steps:
+        raise ConfigError(f"checkpoint.load_step {cfg.load_step}: no complete checkpoint "
+                          f"{root}/step-{cfg.load_step}; complete ones: {steps or 'none'}")
+    return cfg.load_step
+
+
+def preflight_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:
+    """Before launch: the checkpoint the run would resume from, or else its initial weights,
+    can be read and fit the model (names and shapes)."""
+    root = Path(dump_folder) / cfg.folder
+    step = resume_step(cfg, root, warn=False) if cfg.enable else None
+    if step is None and not cfg.initial_load_path:
+        return
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in _Model([spec.build(args)]).state_dict().items()}
+    if step is not None:
+        path = root / f"step-{step}"
+    elif cfg.initial_load_format == "hf":
+        if spec.hf is None:
+            raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
+        check_hf_config(spec.hf, cfg.initial_load_path, args)
+        return  # the weights' shapes are known only once read
+    else:
+        path = Path(cfg.initial_load_path)
+        read_info(path)
+    check_shapes(expected, _saved_shapes(read_metadata(path), "model."), str(path))
+
+
 # ---- the manager -------------------------------------------------------------------
 
 class CheckpointManager:
@@ -282,31 +330,11 @@ class CheckpointManager:
 
     # -- loading --
 
-    def _complete_steps(self) -> list[int]:
-        """Committed step folders, newest first, skipping (with a warning) any that cannot be read."""
-        steps = []
-        candidates = [p for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)] if self.root.is_dir() else []
-        for path in sorted(candidates, key=lambda p: -int(p.name[5:])):
-            try:
-                read_metadata(path)
-                read_info(path)
-                steps.append(int(path.name[5:]))
-            except ConfigError as e:
-                _warn(f"skipping checkpoint: {e}")
-        return steps
-
     def _pick_step(self) -> int | None:
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                steps = self._complete_steps()
-                if self.cfg.load_step != -1:
-                    if self.cfg.load_step not in steps:
-                        raise ConfigError(f"checkpoint.load_step {self.cfg.load_step}: no complete checkpoint "
-                                          f"{self.root}/step-{self.cfg.load_step}; complete ones: {steps or 'none'}")
-                    choice = [self.cfg.load_step]
-                elif steps:
-                    choice = [steps[0]]
+                choice = [resume_step(self.cfg, self.root)]
             except ConfigError as e:
                 choice = [e]
         dist.broadcast_object_list(choice, src=0)  # one decision, even if the folder changes under us

@@ -239,6 +239,9 @@ def check_config(cfg: JobConfig) -> None:
     if c.interval < 1 or c.keep_latest_k < 0 or c.load_step < -1:
         raise ConfigError(f"checkpoint: need interval >= 1 (got {c.interval}), keep_latest_k >= 0 "
                           f"(got {c.keep_latest_k}) and load_step >= -1 (got {c.load_step})")
+    if c.load_step != -1 and not c.enable:
+        raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
+                          "set checkpoint.enable = true to resume from it")
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from titanlite.checkpoint import preflight_checkpoint
 from titanlite.config import JobConfig
 from titanlite.data import probe_data
 from titanlite.errors import ConfigError
@@ -17,6 +18,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
 from titanlite.tokenizer import Tokenizer, build_tokenizer
+from titanlite.validation import preflight_data
 
 
 @dataclass
@@ -62,6 +64,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
+    preflight_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
+    preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in spec.build(args).parameters())
     return Plan(dims, spec, args, tokenizer, gbs, n_params)

@@ -196,6 +196,24 @@ def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool
         yield from (t or "" for t in texts)
 
 
+def source_bytes(path: str) -> float:
+    """Size of a source's files; infinite for sources of unknown size (Hugging Face data sets)."""
+    if not path:
+        return STDLIB_MAX_CHARS
+    p = Path(path)
+    if path.startswith("hf:") or _is_hf_disk(p):
+        return float("inf")
+    return sum(f.stat().st_size for f in _files(p))
+
+
+def check_text(path: str, field: str, key: str = "data.path") -> None:
+    """Refuse a local source without a single non-empty document, reading only up to the first."""
+    if not path or path.startswith("hf:") or _is_hf_disk(Path(path)):
+        return  # the built-in source has text; a data set's column was checked by probe_source
+    if not any(doc for f in _files(Path(path)) for doc in _file_documents(f, field)):
+        raise ConfigError(f"{key}: no documents with text in '{path}'; every document is empty")
+
+
 def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
     """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
     out = []

@@ -17,6 +17,7 @@ from torch import nn
 from titanlite.config import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data import build_dataloader
+from titanlite.sources import check_text, parse_mix, source_bytes
 from titanlite.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -28,6 +29,30 @@ def validation_data(val: Validation, data: Data) -> tuple[Data, str]:
         return replace(data, path=val.path, split=val.split, mix=[], holdout_fraction=0.0,
                        shuffle=False, num_workers=0), "train"
     return replace(data, shuffle=False, num_workers=0), "val"
+
+
+PREFLIGHT_READ_BYTES = 64 * 2**20
+"""Data up to this size is tokenized by the pre-launch check, to count its samples; more would
+make the check slow, and the ranks read it again anyway."""
+
+
+def preflight_data(data: Data, val: Validation, tokenizer: Tokenizer, seq_len: int, global_batch_size: int,
+                   local_batch_size: int, dp_degree: int) -> None:
+    """Before launch, what the ranks' loaders would refuse: a source without text, a training
+    split smaller than one global batch, a validation split smaller than validation.steps of them.
+    Larger or remote sources are only checked for text."""
+    sources = [("data.mix" if data.mix else "data.path", p) for p in ([data.path] if not data.mix
+                                                                      else [p for p, _ in parse_mix(data.mix)])]
+    if val.freq and val.path:
+        sources.append(("validation.path", val.path))
+    for key, path in sources:
+        check_text(path, data.text_field, key)
+    if data.streaming or sum(source_bytes(p) for _, p in sources) > PREFLIGHT_READ_BYTES:
+        return
+    # the loaders rank 0 builds, which run every size check (nothing is read past tokenization)
+    build_dataloader(data, tokenizer, seq_len=seq_len, global_batch_size=global_batch_size,
+                     local_batch_size=local_batch_size, dp_rank=0, dp_degree=dp_degree)
+    Validator(val, data, tokenizer, seq_len, global_batch_size, local_batch_size, 0, dp_degree, None)
 
 
 @dataclass
