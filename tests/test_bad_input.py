@@ -39,6 +39,9 @@ def _files(tmp) -> dict[str, str]:
         "not_table.toml": "steps = 3\n",
         "float_for_int.toml": "[training]\nseq_len = 64.0\n",
         "a_file.txt": "just text\n",
+        "empty.txt": "",
+        "blank.jsonl": '{"text": ""}\n{"text": ""}\n',
+        "eps_inf.toml": "[optimizer]\neps = inf\n",
     }
     paths = {}
     for name, text in texts.items():
@@ -47,6 +50,8 @@ def _files(tmp) -> dict[str, str]:
     (tmp / "bad_tok").mkdir()
     (tmp / "bad_tok" / "tokenizer.json").write_text("{not json")
     paths["bad_tok"] = str(tmp / "bad_tok")
+    (tmp / "empty_dir").mkdir()
+    paths["empty_dir"] = str(tmp / "empty_dir")
     return paths
 
 
@@ -82,9 +87,9 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "train_timeout_zero": (["--comm.train_timeout_s", "0"], {}, "comm.train_timeout_s must be >= 1"),
         "shutdown_timeout_zero": (["--job.shutdown_timeout_s", "0"], {}, "job.shutdown_timeout_s must be >= 1"),
         "max_skipped_negative": (["--training.max_skipped_steps", "-1"], {}, "training.max_skipped_steps must be >= 0"),
+        "lr_nan": (["--optimizer.lr", "nan"], {}, "optimizer.lr: must be a finite number, got nan"),
+        "eps_inf_toml": (["--config", f["eps_inf.toml"]], {}, "optimizer.eps: must be a finite number, got inf"),
         # schedules longer than training
-        "warmup_longer_than_run": (["--training.steps", "5", "--lr_scheduler.warmup_steps", "10"], {},
-                                   "lr_scheduler.warmup_steps (10) must be below training.steps (5)"),
         "decay_ratio": (["--lr_scheduler.decay_ratio", "1.5"], {}, "lr_scheduler: need"),
         "profile_past_end": (["--training.steps", "20", "--profiling.enable", "true", "--profiling.start_step", "20"],
                              {}, "profiling: the window of steps 20..21 ends after training.steps (20)"),
@@ -125,6 +130,19 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "checkpoint_folder_escapes": (["--checkpoint.folder", "../elsewhere"], {}, "checkpoint.folder: '../elsewhere'"),
         "checkpoint_on_save_error": (["--checkpoint.on_save_error", "retry"], {}, "checkpoint.on_save_error: 'retry'"),
         "dump_folder_under_file": (["--job.dump_folder", f["a_file.txt"] + "/out"], {}, "job.dump_folder: cannot write to"),
+        # found by reading files before launch, not by the ranks
+        "load_step_missing": (["--checkpoint.enable", "true", "--checkpoint.load_step", "99999"], {},
+                              "checkpoint.load_step 99999: no complete checkpoint"),
+        "initial_load_not_checkpoint": (["--checkpoint.initial_load_path", f["empty_dir"]], {},
+                                        "missing or unreadable titanlite.json"),
+        "data_empty_file": (["--data.path", f["empty.txt"]], {}, "data.path: no documents with text in"),
+        "data_blank_jsonl": (["--data.path", f["blank.jsonl"]], {}, "data.path: no documents with text in"),
+        "train_split_below_batch": (["--data.path", f["a_file.txt"], "--training.seq_len", "64"], {},
+                                    "samples of seq_len 64 in the train split"),
+        "val_split_below_batch": (["--validation.freq", "5", "--data.holdout_fraction", "0.00001"], {},
+                                  "in the val split"),
+        "val_steps_above_split": (["--validation.freq", "5", "--validation.steps", "1000"], {},
+                                  "validation.steps 1000 x global batch 8 is more than"),
     }
 
 
@@ -163,7 +181,8 @@ def outcomes(tmp_path_factory):
 
 
 CASE_IDS = list(_cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type.toml", "syntax.toml",
-                                       "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok"]}))
+                                       "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok",
+                                       "empty.txt", "blank.jsonl", "eps_inf.toml", "empty_dir"]}))
 
 
 def test_at_least_thirty_cases():

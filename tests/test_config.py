@@ -7,6 +7,7 @@ import pytest
 from titanlite import config_load
 from titanlite.errors import ConfigError
 from titanlite.config_load import load
+from titanlite.optim import lr_factor, warmup_note
 from titanlite.parallel.mesh import ParallelDims
 from titanlite.preflight import preflight
 
@@ -58,7 +59,10 @@ def test_bool_flag_without_value():
     (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be >= 0"),
     (["--model.vocab_size", "-5"], "model.vocab_size must be >= 0, got -5"),
     (["--training.device", "tpu"], "training.device: 'tpu' is not one of auto, cpu, cuda"),
-    (["--lr_scheduler.warmup_steps", "100"], "lr_scheduler.warmup_steps (100) must be below training.steps (100)"),
+    (["--optimizer.lr", "nan"], "optimizer.lr: must be a finite number, got nan"),
+    (["--optimizer.beta2", "inf"], "optimizer.beta2: must be a finite number, got inf"),
+    (["--training.max_norm", "-inf"], "training.max_norm: must be a finite number, got -inf"),
+    (["--checkpoint.load_step", "3"], "checkpoint.load_step 3 is set but checkpoint.enable is false"),
     (["--data.path", "/no/such/corpus"], "data.path: '/no/such/corpus' does not exist"),
     (["--data.tokenizer", "/no/such/tok"], "data.tokenizer: '/no/such/tok' is neither 'byte' nor a folder"),
     (["--config", "nope.toml"], "config file 'nope.toml' not found"),
@@ -143,3 +147,11 @@ def test_list_values_parse_from_toml_and_cli():
     assert config_load._coerce("k", [1, 2.5], list[float], from_cli=False) == [1.0, 2.5]
     with pytest.raises(ConfigError, match="k: expected a list"):
         config_load._coerce("k", "a", list[str], from_cli=False)
+
+
+def test_warmup_longer_than_the_run_is_shortened_to_fit():
+    cfg, _ = load(["--training.steps", "3"])  # the default warm-up is 10 steps
+    s = cfg.lr_scheduler
+    assert [lr_factor(k, s, 3) for k in range(3)] == [lr_factor(k, dataclasses.replace(s, warmup_steps=2), 3) for k in range(3)]
+    assert "warming up for 2 steps instead" in warmup_note(s, 3)
+    assert warmup_note(s, 11) is None

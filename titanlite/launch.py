@@ -92,32 +92,36 @@ def _verdict(reports: dict[int, dict], result: dict | None, signals: list[int], 
     """The launcher's exit code and last line, from what the ranks and the agent reported."""
     if signals.count(signal.SIGINT) >= 2:
         return 130, "titanlite: stopped at once by a second SIGINT; the step in progress was not saved"
-    errors = sorted((r["time"], rank) for rank, r in reports.items() if r["code"] != 0)
-    failures = None if result is None else result.get("failures")
     see = f" (torchrun's report: {log})"
-    if errors:
+    failures = None if result is None else result.get("failures")
+    # ranks that ended without a word (a failure after a success report is teardown noise)
+    if failures is not None:
+        silent = {int(rank): code for rank, code in failures.items() if int(rank) not in reports}
+    else:  # torchrun itself was stopped (a signal, a failed rendezvous): only the reports tell
+        silent = {-1: 0} if len(reports) < nproc else {}
+    if signals and silent:  # the default action of our signal, before a rank handled it
+        name = signal.Signals(signals[0]).name
+        return 128 + signals[0], f"titanlite: stopped by {name} before training started; nothing was saved"
+    # a rank killed by a signal torchrun does not send (the OOM killer, a segfault) is the cause;
+    # its peers' errors (a failed collective) are the consequence
+    crashed = sorted(rank for rank, code in silent.items() if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT))
+    errors = sorted((r["time"], rank) for rank, r in reports.items() if r["code"] != 0)
+    if errors and not crashed:
         # the earliest failure; said by several ranks alike (a broadcast decision), the lowest's words
         same = [rank for _, rank in errors if _unranked(reports[rank]) == _unranked(reports[errors[0][1]])]
         first = reports[min(same)]
         return first["code"], first["line"] + see
-    finished = {rank for rank, r in reports.items() if r["code"] == 0}
-    if failures is not None:
-        unfinished = {int(rank): code for rank, code in failures.items() if int(rank) not in finished}
-    else:  # torchrun itself stopped (a signal, a rendezvous failure): judge by the reports alone
-        unfinished = {-1: None} if len(finished) < nproc else {}
-    if unfinished:
-        if signals:
-            name = signal.Signals(signals[0]).name
-            return 128 + signals[0], f"titanlite: stopped by {name} before training started; nothing was saved"
+    if silent:
         if result is not None and result.get("error"):
             return 1, f"titanlite: error: torchrun: {result['error']}{see}"
-        rank, code = min(unfinished.items())
+        rank = crashed[0] if crashed else min(silent)
         if rank < 0:
             return 1, f"titanlite: error: torchrun ended before every rank finished{see}"
+        code = silent[rank]
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return 1, (f"titanlite: error: rank {rank} {how} without a titanlite message (a crash or a bug; "
                    f"LOG_RANK={rank} shows its output){see}")
-    lines = [reports[rank]["line"] for rank in sorted(finished) if reports[rank]["line"]]
+    lines = [r["line"] for _, r in sorted(reports.items()) if r["line"]]
     return 0, lines[0] if lines else None
 
 
