@@ -160,6 +160,21 @@ def test_shape_mismatch_is_one_clear_error(straight1, tmp_path):
     assert "titanlite/checkpoint.py" not in run.output  # one line, no traceback from our code
 
 
+def test_checkpoint_problems_are_found_before_launch(straight1, tmp_path):
+    shutil.copytree(straight1 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    dump = ["--job.dump_folder", str(tmp_path)]
+    for extra, match in [(["--model.vocab_size", "1024"], r"'tok_embeddings.weight' has shape \(512, 256\)"),
+                         (["--checkpoint.load_step", "20"], r"load_step 20: no complete checkpoint .* complete ones: \[10\]")]:
+        cfg, _ = config_load.load([*job(1, 20, *extra), *dump])
+        with pytest.raises(ConfigError, match=match):
+            preflight(cfg, 1)
+    cfg, _ = config_load.load([*job(1, 20, "--checkpoint.enable", "false", "--model.vocab_size", "1024"), *dump,
+                               "--checkpoint.initial_load_path", str(straight1 / "checkpoint" / "step-10")])
+    with pytest.raises(ConfigError, match="model's is \\(1024, 256\\)"):
+        preflight(cfg, 1)
+    preflight(config_load.load([*job(1, 20), *dump])[0], 1)  # the matching model resumes
+
+
 def test_seed_checkpoint_needs_one_process():
     cfg, _ = config_load.load([*job(2, 10), "--checkpoint.create_seed_checkpoint"])
     with pytest.raises(ConfigError, match="create_seed_checkpoint runs on one process"):
