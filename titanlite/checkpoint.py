@@ -188,7 +188,7 @@ def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], 
                               "the checkpoint was made for a different model config")
 
 
-def _saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
+def saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
     return {k[len(prefix):]: m.size for k, m in meta.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
 
@@ -273,28 +273,6 @@ def resume_step(cfg: Checkpoint, root: Path, warn: bool = True) -> int | None:
     return cfg.load_step
 
 
-def preflight_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:
-    """Before launch: the checkpoint the run would resume from, or else its initial weights,
-    can be read and fit the model (names and shapes)."""
-    root = Path(dump_folder) / cfg.folder
-    step = resume_step(cfg, root, warn=False) if cfg.enable else None
-    if step is None and not cfg.initial_load_path:
-        return
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in _Model([spec.build(args)]).state_dict().items()}
-    if step is not None:
-        path = root / f"step-{step}"
-    elif cfg.initial_load_format == "hf":
-        if spec.hf is None:
-            raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
-        check_hf_config(spec.hf, cfg.initial_load_path, args)
-        return  # the weights' shapes are known only once read
-    else:
-        path = Path(cfg.initial_load_path)
-        read_info(path)
-    check_shapes(expected, _saved_shapes(read_metadata(path), "model."), str(path))
-
-
 # ---- the manager -------------------------------------------------------------------
 
 class CheckpointManager:
@@ -364,7 +342,7 @@ class CheckpointManager:
             return 0
         meta = read_metadata(path)
         check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
-                     _saved_shapes(meta, "model."), str(path))
+                     saved_shapes(meta, "model."), str(path))
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = _Rng(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
@@ -376,7 +354,7 @@ class CheckpointManager:
     def _load_model_only(self, path: Path) -> None:
         meta = read_metadata(path)
         model_state = self.states["model"]
-        check_shapes({k: v.shape for k, v in model_state.state_dict().items()}, _saved_shapes(meta, "model."),
+        check_shapes({k: v.shape for k, v in model_state.state_dict().items()}, saved_shapes(meta, "model."),
                      str(path))
         dcp.load({"model": model_state}, checkpoint_id=str(path))
 

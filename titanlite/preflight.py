@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titanlite.checkpoint import preflight_checkpoint
-from titanlite.config import JobConfig
+from titanlite.checkpoint import check_shapes, read_info, read_metadata, resume_step, saved_shapes
+from titanlite.config import Checkpoint, JobConfig
 from titanlite.data import probe_data
 from titanlite.errors import ConfigError
+from titanlite.hf_io import check_hf_config
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
@@ -64,11 +66,33 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
-    preflight_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
+    check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
     preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in spec.build(args).parameters())
     return Plan(dims, spec, args, tokenizer, gbs, n_params)
+
+
+def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:
+    """The checkpoint the run would resume from, or else its initial weights, can be read and
+    fit the model (names and shapes)."""
+    root = Path(dump_folder) / cfg.folder
+    step = resume_step(cfg, root, warn=False) if cfg.enable else None
+    if step is None and not cfg.initial_load_path:
+        return
+    if step is not None:
+        path = root / f"step-{step}"
+    elif cfg.initial_load_format == "hf":
+        if spec.hf is None:
+            raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
+        check_hf_config(spec.hf, cfg.initial_load_path, args)
+        return  # the weights' shapes are known only once read
+    else:
+        path = Path(cfg.initial_load_path)
+        read_info(path)
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in get_model_state_dict(spec.build(args)).items()}
+    check_shapes(expected, saved_shapes(read_metadata(path), "model."), str(path))
 
 
 def check_writable(folder: str) -> None:
