@@ -1,128 +1,48 @@
-"""Memory estimate per rank before launch: `python -m titanlite.tools.estimate --config X --ngpu N [overrides]`.
+"""Memory estimate per rank before launch: `python -m titanlite.estimate --config X --ngpu N [overrides]`.
 
-Nothing real is allocated: parameter shapes come from the model built on the meta device,
-their per-rank share from the mesh arithmetic (FSDP shards dim 0 over dp_shard x cp, TP
-splits the block and embedding matrices), and activations from what eager autograd keeps
-for each Llama block under the chosen activation-checkpointing mode.
+A dry run of one real training step (titanlite.dryrun) on fake tensors and a fake process
+group, as this machine would train it (CUDA: bf16 by default; CPU: float32): the peak of the
+memory the step's tensors take, by category. Nothing real is allocated. Covers every model
+family and layout that train.py runs, since it runs the same setup.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
-from titanlite import config_load
-from titanlite.config import JobConfig
-from titanlite.errors import ConfigError
-from titanlite.parallel.mesh import ParallelDims
+from titanlite import config
+from titanlite.config import ConfigError, JobConfig
+from titanlite.dist import ParallelDims
+from titanlite.steptrace import CATEGORIES
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Estimate:
-    parameters: float
-    gradients: float
-    optimizer: float
-    activations: float
-    """Saved for backward at the end of forward (blocks, final norm, logits and loss)."""
-    backward_buffers: float
-    """Short-lived at the start of backward: logit gradients, one recomputed block, FSDP's
-    unsharded parameters and buffers in flight."""
-    reduce_buffers: float
-    """FSDP's last gradient reduce-scatter at the end of backward: the root's unsharded
-    gradients and their reduce-scatter input, live beside every other gradient."""
-    step_buffers: float
-    """AdamW's temporaries during the optimizer step (foreach only; fused makes none)."""
-
-    @property
-    def total(self) -> float:
-        """The peak: gradients appear as backward frees the activations, so the start of
-        backward, its end and the optimizer step are the candidates."""
-        return self.parameters + self.optimizer + max(self.activations + self.backward_buffers,
-                                                      self.gradients + self.reduce_buffers,
-                                                      self.gradients + self.step_buffers)
+    categories: dict[str, float]
+    """Bytes per category live at the peak."""
+    total: float
+    """The per-rank peak in bytes (the largest over the traced roles)."""
+    phase: str
+    """The part of the step where the peak falls: forward, backward or optimizer."""
 
 
-def _local_numel(param: nn.Parameter, dims: ParallelDims) -> int:
-    shape = list(param.shape)
-    if dims.tp > 1 and len(shape) == 2:
-        shape[0] = math.ceil(shape[0] / dims.tp)  # colwise/rowwise alike: 1/tp of the matrix
-    shard = dims.dp_shard * dims.cp
-    if shard > 1:
-        shape[0] = math.ceil(shape[0] / shard)  # FSDP pads dim 0 to a multiple of the degree
-    return math.prod(shape)
+def train_device(cfg: JobConfig) -> str:
+    t = cfg.training.device
+    return "cuda" if t == "cuda" or (t == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def block_activation_elems(args, mode: str, selective_every: int, selective_type: str) -> float:
-    """Elements per token that autograd keeps for all blocks after forward.
+def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
+    from titanlite.dryrun import dry_run
 
-    Eager Llama block, per token (D = dim, K = kv dim, F = ffn hidden): the block input,
-    norm outputs and the residual (3D), q and k before and after RoPE (2D + K), k after RoPE
-    and v as attention reads them (2K: shared heads are not expanded), the attention output
-    and its contiguous copy (2D), the FFN's w1 and w3 outputs, SiLU output and their product
-    (4F), plus the RMS norm output of the second norm (D): 8D + 3K + 4F. Full AC keeps only
-    the block input (D); per-op AC keeps the matmul and attention outputs (q, k, v,
-    attention, wo, w1, w3, w2) and the block input: 5D + 2K + 2F.
-    """
-    d, k, f, n = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_layers
-    none, full, per_op = 8 * d + 3 * k + 4 * f, d, 5 * d + 2 * k + 2 * f
-    if mode == "none":
-        return n * none
-    if mode == "full":
-        return n * full
-    if selective_type == "op":
-        return n * per_op
-    recomputed = math.ceil(n / selective_every)
-    return recomputed * full + (n - recomputed) * none
-
-
-def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
-    from titanlite.preflight import preflight
-
-    plan = preflight(cfg, world_size)
-    dims, args, t, ac = plan.dims, plan.args, cfg.training, cfg.activation_checkpoint
-    with torch.device("meta"):
-        model = plan.spec.build(args)
-    local = sum(_local_numel(p, dims) for p in model.parameters())
-    full_block = sum(p.numel() for p in model.layers["0"].parameters())
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
-
-    device = "cuda" if (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())) else "cpu"
-    low = t.mixed_precision_param == "bfloat16" or (t.mixed_precision_param == "auto" and device == "cuda")
-    act_b = 2 if low else 4
-    tokens = t.local_batch_size * t.seq_len / dims.cp
-    v, d = args.vocab_size / dims.tp, args.dim
-    blocks = block_activation_elems(args, ac.mode, ac.selective_every, ac.selective_type) / dims.tp
-    # outside the blocks: final norm in/out (2D); logits, their fp32 copy under bf16, and log-softmax
-    logits = v * (act_b + (4 if low else 0) + 4)
-    activations = tokens * ((blocks + 2 * d) * act_b + logits)
-
-    # backward starts with the logit gradient and, if the last block is checkpointed, its
-    # recomputation (later recomputations happen after other blocks' activations are freed)
-    n = args.n_layers
-    none = block_activation_elems(args, "none", 1, "layer") / n
-    recompute = {"none": 0.0, "full": none - d}.get(ac.mode, 0.0)
-    if ac.mode == "selective" and ac.selective_type == "layer":
-        recompute = none - d if (n - 1) % ac.selective_every == 0 else 0.0
-    elif ac.mode == "selective":
-        recompute = none - block_activation_elems(args, "selective", 1, "op") / n
-    backward = tokens * (4 * v + recompute * act_b / dims.tp)
-    if dims.fsdp:
-        # the unsharded root and, while the prefetched block is copied out of its all-gather
-        # buffer, three blocks' worth of unsharded parameters in the compute dtype; a block's
-        # gradient reduce-scatter buffers come later, once its activations are freed
-        backward += act_b * (root + 3 * full_block) / dims.tp
-    reduce = 4 * 2 * root / dims.tp if dims.fsdp else 0.0
-    # foreach AdamW keeps one parameter-sized temporary (sqrt of the second moment)
-    step = 4 * local if cfg.optimizer.implementation == "foreach" else 0.0
-    e = Estimate(parameters=4 * local, gradients=4 * local, optimizer=8 * local, activations=activations,
-                 backward_buffers=backward, reduce_buffers=reduce, step_buffers=step)
-    return e, dims
+    result = dry_run(cfg, world_size, device=device or train_device(cfg))
+    role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
+    peak = role.peaks[role.peak_phase]
+    return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims
 
 
 def _parse(argv: list[str]) -> tuple[int, list[str]]:
@@ -150,19 +70,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         ngpu, rest = _parse(argv)
-        cfg, _ = config_load.load(rest)
+        cfg, _ = config.load(rest)
         e, dims = estimate(cfg, ngpu)
     except ConfigError as err:
         sys.exit(f"titanlite: error: {err}")
     ac = cfg.activation_checkpoint
     mode = ac.mode + (f" ({ac.selective_type})" if ac.mode == "selective" else "")
     print(f"{cfg.model.name} {cfg.model.flavor} on {ngpu} rank(s), {dims}, "
-          f"batch {cfg.training.local_batch_size}x{cfg.training.seq_len}/rank, AC {mode}")
-    for what, value in [("parameters", e.parameters), ("gradients", e.gradients), ("optimizer state", e.optimizer),
-                        ("activations", e.activations), ("backward buffers", e.backward_buffers),
-                        ("reduce buffers", e.reduce_buffers), ("step buffers", e.step_buffers),
-                        ("peak per rank", e.total)]:
-        print(f"  {what:<18} {value / GIB:9.3f} GiB")
+          f"batch {cfg.training.local_batch_size}x{cfg.training.seq_len}/rank, AC {mode}, on {train_device(cfg)}")
+    print(f"  at the peak (during {e.phase}):")
+    for what in CATEGORIES:
+        print(f"  {what:<18} {e.categories[what] / GIB:9.3f} GiB")
+    print(f"  {'peak per rank':<18} {e.total / GIB:9.3f} GiB")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,340 @@
+"""Dry run of one real training step at any scale, on one CPU process, allocating nothing:
+
+    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--section.key value ...]
+
+One process plays rank R of an N-rank job on torch's fake process group (collectives do
+nothing) with fake tensors (shapes, no storage): the real config loading and preflight, the
+real model build and parallelize, and one real step (forward, backward, gradient norm,
+clipping, AdamW). titanlite.steptrace watches it: peak memory by category, collectives,
+FLOPs. titanlite.hardware turns that into a predicted step time for a named GPU.
+
+Blocks are identical, so the step is traced at two depths (e.g. 2 and 3 blocks) and every
+quantity is extrapolated linearly to the model's depth (per activation-checkpointing period
+for `selective` layer AC); `--full-depth` traces every block instead. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from titanlite import config, context_parallel, hardware
+from titanlite.attention import AttnContext
+from titanlite.config import ConfigError, JobConfig
+from titanlite.hardware import GIB
+from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
+from titanlite.optim import build_optimizer
+from titanlite.parallel import ParallelizeOptions, local_grad_sq, reduce_partial_grads
+from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
+
+# The mesh dimensions whose collectives FSDP/HSDP issue beside compute
+OVERLAPPED = {"dp_shard_cp", "dp_replicate"}
+
+
+def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
+    """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
+    dtype that `auto` picks there, no compile (eager memory is an upper bound of compiled),
+    and a throw-away dump folder (preflight checks it is writable)."""
+    t = cfg.training
+    param = t.mixed_precision_param
+    if param == "auto":
+        param = "bfloat16" if device == "cuda" else "float32"
+    return dataclasses.replace(
+        cfg, training=dataclasses.replace(t, device="cpu", mixed_precision_param=param),
+        compile=dataclasses.replace(cfg.compile, enable=False),
+        job=dataclasses.replace(cfg.job, dump_folder=tempfile.mkdtemp(prefix="titanlite-dryrun-")))
+
+
+def depths(n: int, period: int, full: bool) -> tuple[int, int]:
+    """Two block counts congruent to n modulo the AC period (the smallest >= 3, and one period
+    more), or (n - period, n) when that reaches n anyway."""
+    k1 = next(k for k in range(3, 3 + period) if k % period == n % period)
+    if full or k1 + period >= n:
+        return max(n - period, 1), n
+    return k1, k1 + period
+
+
+def group_names(meshes) -> dict[str, str]:
+    names = {}
+    for mesh in (meshes.dense, meshes.batch, meshes.loss):
+        for dim in mesh.mesh_dim_names:
+            names.setdefault(mesh.get_group(dim).group_name, dim)
+    return names
+
+
+def trace_step(cfg: JobConfig, plan, meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
+               shallower: tuple[Trace, int] | None = None) -> Trace:
+    """Build the model with `n_blocks` blocks, parallelize it as train.py does, and trace one step.
+    Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 (interior
+    ones, a whole AC period) repeated until the depth is reached, in forward and in backward; what the
+    extra blocks hold from the start is extrapolated from the `shallower` trace."""
+    t, dims = cfg.training, plan.dims
+    args = dataclasses.replace(plan.args, n_layers=n_blocks)
+    param_dtype = getattr(torch, t.mixed_precision_param)
+    opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
+                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
+    with torch.device("meta"):
+        model = plan.spec.build(args)
+    plan.spec.parallelize(model, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
+    accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
+    cp_group = meshes.cp.get_group() if dims.cp > 1 else None
+    tracer = StepTracer(group_names(meshes))
+    # as train.py: FSDP casts parameters itself; without it, autocast gives the mixed precision
+    autocast = (torch.autocast("cpu", dtype=param_dtype) if param_dtype != torch.float32 and not dims.fsdp
+                else contextlib.nullcontext())
+    with fake:
+        # weights stay uninitialised: their values do not change what the step allocates or sends
+        model.to_empty(device="cpu")
+        model.train()
+        optimizer = build_optimizer(model, cfg.optimizer)
+        # trace a steady-state step: AdamW creates its moments in the first step
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+        batches = []
+        for _ in range(accum):
+            ids = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
+            batch = {"input_ids": ids, "labels": ids}
+            if cp_group is not None:
+                batch = context_parallel.shard_batch(batch, meshes.cp.get_local_rank(), dims.cp)
+            batches.append(batch)
+        state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+        tracer.track([*model.parameters(), *model.buffers(), *state, *(v for b in batches for v in b.values())])
+        tracer.start()
+        hooks = [model.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")),
+                 register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
+        for i, block in enumerate(model.layers.values()):
+            def backward_mark(mod, inputs, out, i=i):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda grad: tracer.mark(("backward", i)))
+            hooks += [block.register_forward_pre_hook(lambda *_, i=i: tracer.mark(("forward", i))),
+                      block.register_forward_hook(backward_mark)]
+        with tracer:
+            n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+            dist.all_reduce(n_targets, group=meshes.dp_cp.get_group())
+            for batch in batches:
+                ctx = AttnContext(batch.get("positions"), None, cp_group, param_dtype)
+                with loss_context(opts.loss_parallel):
+                    with autocast:
+                        logits = model(batch["input_ids"], ctx)
+                    loss = loss_fn(logits, batch["labels"])
+                    (loss / n_targets).backward()
+            params = list(model.parameters())
+            reduce_partial_grads(params)
+            grad_sq = local_grad_sq(params)
+            dist.all_reduce(grad_sq)
+            if t.max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, grad_sq.sqrt(), foreach=True)
+            optimizer.step()
+        for h in hooks:
+            h.remove()
+        grads = [p.grad for p in params if p.grad is not None]
+        n = plan.args.n_layers
+        if n == n_blocks or shallower is None:
+            return tracer.result(params, grads, state)
+        m = tracer.marks
+        # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one)
+        repeat = [*zip(m["forward", 2], m["forward", 2 + period]), *zip(m["backward", 1 + period], m["backward", 1])]
+        here = tracer.result(params, grads, state).initial
+        ref, k = shallower
+        extra = {c: (here[c] - ref.initial[c]) * (n - n_blocks) / (n_blocks - k) for c in here}
+        return tracer.result(params, grads, state, repeat, (n - n_blocks) // period + 1, extra)
+
+
+@dataclasses.dataclass
+class Role:
+    """One rank's step, extrapolated to the model's depth."""
+
+    rank: int
+    peaks: dict[str, dict[str, float]]
+    comms: dict[tuple[str, str, str], dict]
+    flops: float
+    times: dict[str, hardware.StepTimes]
+    traced_blocks: tuple[int, int]
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=lambda p: self.peaks[p]["total"])
+
+
+def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: int) -> Role:
+    """Every quantity is affine in the block count: value(n) = value(k1) + slope * (n - k1)."""
+    (a, b), (k1, k2) = traces, ks
+    x = (n - k1) / (k2 - k1) if k2 != k1 else 0.0
+
+    def at(v1: float, v2: float) -> float:
+        return v1 + (v2 - v1) * x
+
+    peaks = b.peaks  # replayed at full depth already
+    comms = {}
+    for key in {(c.kind, c.group, c.phase) for c in a.comms + b.comms}:
+        ca, cb = ([c for c in tr.comms if (c.kind, c.group, c.phase) == key] for tr in traces)
+        ref = (ca or cb)[0]
+        comms[key] = {"count": round(at(sum(c.count for c in ca), sum(c.count for c in cb))),
+                      "bytes": at(sum(c.bytes for c in ca), sum(c.bytes for c in cb)),
+                      "group_size": ref.size, "ranks": ref.ranks}
+    times = {}
+    for gpu in hardware.GPUS.values():
+        def split(fa: float, fb: float) -> tuple[float, float]:
+            per_block = (fb - fa) / (k2 - k1) if k2 != k1 else 0.0
+            return per_block, fa - k1 * per_block
+
+        def comm_s(tr: Trace, overlapped: bool) -> float:
+            return sum(hardware.comm_seconds(c.kind, c.bytes, c.ranks, gpu) for c in tr.comms
+                       if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped)
+
+        cb_, cr = split(hardware.compute_seconds(a.ops, gpu), hardware.compute_seconds(b.ops, gpu))
+        ob, orest = split(comm_s(a, True), comm_s(b, True))
+        times[gpu.name] = hardware.StepTimes(cb_, cr, ob, orest, at(comm_s(a, False), comm_s(b, False)), n)
+    return Role(rank, peaks, comms, at(a.flops, b.flops), times, ks)
+
+
+def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full_depth: bool = False,
+            device: str = "cuda") -> dict:
+    """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
+    from titanlite.train import preflight
+
+    cfg = dry_config(cfg, device)
+    plan = preflight(cfg, world_size)
+    dims, ac = plan.dims, cfg.activation_checkpoint
+    for r in ranks or []:
+        if not 0 <= r < world_size:
+            raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
+    # without pipeline stages every rank does the same work; rank 0 holds the largest FSDP shard
+    ranks = ranks or [0]
+    period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
+    n = plan.args.n_layers
+    ks = depths(n, period, full_depth)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    roles = []
+    for rank in ranks:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            meshes = dims.build_meshes("cpu")
+            first = trace_step(cfg, plan, meshes, ks[0], fake, period)
+            second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]))
+            roles.append(extrapolate((first, second), ks, n, rank))
+        finally:
+            dist.destroy_process_group()
+    t = cfg.training
+    return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
+                       "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
+                       "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param},
+            "world_size": world_size,
+            "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                       "tp": dims.tp, "pp": 1},
+            "_roles": roles, "_plan": plan}
+
+
+def report(result: dict, gpu: hardware.GPU) -> dict:
+    """The JSON report for one GPU (the roles' traces do not depend on it)."""
+    plan, cfg, world = result["_plan"], result["config"], result["world_size"]
+    tokens = cfg["global_batch_size"] * cfg["seq_len"]
+    roles, step_s = [], 0.0
+    for role in result["_roles"]:
+        peak = role.peaks[role.peak_phase]
+        step_s = max(step_s, role.times[gpu.name].step())
+        roles.append({
+            "rank": role.rank, "traced_blocks": list(role.traced_blocks), "peak_phase": role.peak_phase,
+            "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
+            "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
+            "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB, "group_size": v["group_size"]}
+                            for (k, g, p), v in sorted(role.comms.items())},
+            "flops_per_step": role.flops,
+            "step_s": role.times[gpu.name].step()})
+    tps = tokens / step_s / world
+    mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
+    return {"world_size": world, "layout": result["layout"], "config": cfg, "roles": roles,
+            "predicted": {"gpu": gpu.name, "step_s": step_s, "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
+                          "memory_limit_gib": gpu.memory_gib,
+                          "fits": all(r["memory_gib"]["peak"] <= gpu.memory_gib for r in roles)}}
+
+
+def print_table(rep: dict) -> None:
+    lay, cfg, pred = rep["layout"], rep["config"], rep["predicted"]
+    print(f"{cfg['model']} {cfg['flavor']} on {rep['world_size']} ranks: "
+          + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
+          + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
+          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}")
+    for role in rep["roles"]:
+        m = role["memory_gib"]
+        print(f"rank {role['rank']} (traced {role['traced_blocks'][0]} and {role['traced_blocks'][1]} blocks, "
+              f"peak during {role['peak_phase']}):")
+        for c in (*CATEGORIES, "peak"):
+            print(f"  {c:<14} {m[c]:9.2f} GiB")
+        print(f"  {'collective':<34} {'count':>7} {'GiB':>10}")
+        for name, v in role["collectives"].items():
+            print(f"  {name:<34} {v['count']:>7} {v['gib']:>10.3f}")
+        print(f"  FLOPs per step {role['flops_per_step']:.4g}")
+    print(f"predicted on {pred['gpu']}: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
+          f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
+          f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
+
+
+def _parse(argv: list[str]) -> tuple[dict, list[str]]:
+    opts, rest, i = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None}, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        key = name[2:].replace("-", "_")
+        if name == "--full-depth":
+            opts["full_depth"] = True
+        elif name.startswith("--") and key in opts:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                i, value = i + 1, argv[i + 1]
+            opts[key] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    for key in ("ngpu", "rank"):
+        if opts[key] is not None and not opts[key].isdigit() or key == "ngpu" and int(opts[key]) < 1:
+            raise ConfigError(f"--{key}: expected a {'positive' if key == 'ngpu' else 'non-negative'} "
+                              f"integer, got '{opts[key]}'")
+    return opts, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    start = time.perf_counter()
+    try:
+        opts, rest = _parse(argv)
+        gpu = hardware.get_gpu(opts["gpu"])
+        cfg, _ = config.load(rest)
+        ranks = None if opts["rank"] is None else [int(opts["rank"])]
+        rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full_depth", False)), gpu)
+    except ConfigError as e:
+        sys.exit(f"titanlite: error: {e}")
+    print_table(rep)
+    print(f"(dry run took {time.perf_counter() - start:.1f} s)")
+    if opts["out"]:
+        with open(opts["out"], "w") as f:
+            json.dump(rep, f, indent=1)
+    if not rep["predicted"]["fits"]:
+        peak = max(r["memory_gib"]["peak"] for r in rep["roles"])
+        sys.exit(f"titanlite: error: the per-rank peak {peak:.1f} GiB exceeds the {gpu.name}'s "
+                 f"{gpu.memory_gib:.1f} GiB; use more GPUs (data_parallel_shard_degree), a larger "
+                 "tensor_parallel_degree, activation_checkpoint.mode full or a smaller training.local_batch_size")
+
+
+if __name__ == "__main__":
+    main()

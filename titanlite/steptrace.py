@@ -1,0 +1,274 @@
+"""Watch one training step run on fake tensors: memory by category, collectives, FLOPs.
+
+A `TorchDispatchMode` that sits above the FakeTensorMode and sees every local op (DTensor
+ops are let through to be desugared into local ones first, as torch's FSDP memory tracker
+does). It logs each storage's allocation, resize and free, every collective with its group
+and payload, and each op's FLOPs (torch's FlopCounterMode formulas) and bytes read and
+written. Categories are decided after the step, when it is known which storages ended up
+as parameters, gradients and optimizer state; the log is then replayed to find each
+phase's peak and what it was made of.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._guards import active_fake_mode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.weak import WeakIdKeyDictionary
+
+PHASES = ("forward", "backward", "optimizer")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "collectives", "temporaries")
+
+_c10d, _fn = torch.ops.c10d, torch.ops._c10d_functional
+# op -> (kind, index of the process group argument, index of the tensor whose size is the payload;
+# "out" means the result). The payload is the full (unsharded) buffer a ring moves (n-1)/n of.
+_COLLECTIVES = {
+    _c10d._allgather_base_.default: ("all_gather", 2, 0),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 2, 1),
+    _c10d.allreduce_.default: ("all_reduce", 1, 0),
+    _c10d.broadcast_.default: ("broadcast", 1, 0),
+    _c10d.alltoall_base_.default: ("all_to_all", 2, 1),
+    _c10d.send.default: ("send_recv", 2, 0),
+    _c10d.recv_.default: ("send_recv", 2, 0),
+    _fn.all_gather_into_tensor.default: ("all_gather", 2, "out"),
+    _fn.reduce_scatter_tensor.default: ("reduce_scatter", 3, 0),
+    _fn.all_reduce.default: ("all_reduce", 2, 0),
+    _fn.all_reduce_.default: ("all_reduce", 2, 0),
+    _fn.all_to_all_single.default: ("all_to_all", 3, 0),
+    _fn.broadcast.default: ("broadcast", 2, 0),
+}
+_ATEN = torch.ops.aten
+
+
+def _cpu_sdpa_flops(func, args, out) -> int:
+    """The CPU flash kernel is missing from FlopCounterMode's table: count it as the CUDA one is
+    (grouped K/V heads cost as many FLOPs as expanded ones)."""
+    if func is _ATEN._scaled_dot_product_flash_attention_for_cpu.default:
+        q, k, v = args[:3]
+        return sdpa_flop_count(q.shape, (*k.shape[:1], q.shape[1], *k.shape[2:]),
+                               (*v.shape[:1], q.shape[1], *v.shape[2:]))
+    grad, q, k, v = args[:4]
+    return sdpa_backward_flop_count(grad.shape, q.shape, (*k.shape[:1], q.shape[1], *k.shape[2:]),
+                                    (*v.shape[:1], q.shape[1], *v.shape[2:]))
+
+
+_EXTRA_FLOPS = {_ATEN._scaled_dot_product_flash_attention_for_cpu.default: _cpu_sdpa_flops,
+                _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_sdpa_flops}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Comm:
+    kind: str
+    group: str
+    """Mesh dimension name(s) of the group, or "world"."""
+    size: int
+    """Ranks in the group."""
+    ranks: tuple[int, ...]
+    phase: str
+    count: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Trace:
+    """What one traced step did on this rank."""
+
+    peaks: dict[str, dict[str, int]]
+    """phase -> category -> bytes live at that phase's peak, plus "total"."""
+    comms: list[Comm]
+    flops: int
+    ops: list[tuple[int, int]] = field(repr=False)
+    """(FLOPs, bytes read + written) per compute op, for a roofline time estimate."""
+    initial: dict[str, int] = field(default_factory=dict)
+    """Bytes per category held when the step starts (parameters, optimizer state)."""
+
+
+class StepTracer(TorchDispatchMode):
+    """Use inside the FakeTensorMode: `with StepTracer(groups) as t: <step>`, then `t.result(...)`."""
+
+    def __init__(self, group_names: dict[str, str]):
+        super().__init__()
+        self.group_names = group_names
+        self.phase = "forward"
+        self.sid = WeakIdKeyDictionary()  # storage -> id
+        self.sizes: dict[int, int] = {}
+        self.log: list[tuple[int, int, int]] = []  # (phase index, storage id, byte delta)
+        self.alloc_phase: dict[int, str] = {}
+        self.saved: set[int] = set()  # forward storages still live when a backward starts
+        self.comm_touched: set[int] = set()
+        self.resized: set[int] = set()
+        self.comms: dict[tuple, Comm] = {}
+        self.ops: list[tuple[int, int]] = []
+        self.flops = 0
+        self.live = False
+        self.muted = 0
+        self.marks: dict[tuple, list[int]] = defaultdict(list)
+
+    # ---- storage bookkeeping
+    def _id(self, t: torch.Tensor, note: set[int] | None = None) -> int:
+        st = t.untyped_storage()
+        sid = self.sid.get(st)
+        if sid is None:
+            sid = self.sid[st] = len(self.sizes)
+            self.sizes[sid] = 0
+            self.alloc_phase[sid] = self.phase
+            self._change(sid, st.nbytes())
+            weakref.finalize(st, self._freed, sid)
+        if note is not None:
+            note.add(sid)
+        return sid
+
+    def _change(self, sid: int, new: int) -> None:
+        if self.live and new != self.sizes[sid]:
+            self.log.append((PHASES.index(self.phase), sid, new - self.sizes[sid]))
+        self.sizes[sid] = new
+
+    def _freed(self, sid: int) -> None:
+        self._change(sid, 0)
+
+    def track(self, tensors) -> None:
+        """Count tensors that exist before the step (parameters, buffers, inputs)."""
+        for t in tensors:
+            self._id(t.to_local() if isinstance(t, DTensor) else t)
+
+    def mark(self, key: tuple) -> None:
+        """Remember this point of the log (e.g. a block's forward starts), once per occurrence."""
+        self.marks[key].append(len(self.log))
+
+    def set_phase(self, phase: str) -> None:
+        if phase == "backward" and self.phase == "forward":
+            self.saved |= {s for s, n in self.sizes.items() if n and self.alloc_phase[s] == "forward"}
+        self.phase = phase
+
+    # ---- the mode
+    def __enter__(self):
+        self._fake = active_fake_mode()
+        self._resize = torch.UntypedStorage.resize_
+        tracer = self
+
+        def resize_(st, size):
+            tracer._resize(st, size)
+            sid = tracer.sid.get(st)
+            if sid is None:
+                return
+            tracer.resized.add(sid)
+            tracer._change(sid, st.nbytes())
+
+        torch.UntypedStorage.resize_ = resize_
+        # DTensor runs each op once on global-shape fake tensors to learn the output's shape;
+        # under our FakeTensorMode those ops pass through here but are no part of the step
+        self._meta = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(*args, **kwargs):
+            tracer.muted += 1
+            try:
+                return tracer._meta(*args, **kwargs)
+            finally:
+                tracer.muted -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        self.live = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.live = False
+        self.muted = 0
+        torch.UntypedStorage.resize_ = self._resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._meta
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops through this mode
+        kwargs = kwargs or {}
+        if self.phase == "forward" and torch._C._current_autograd_node() is not None:
+            self.set_phase("backward")
+        # FakeTensorMode's own wait_tensor returns a new tensor; eager waits in place
+        out = args[0] if func is _fn.wait_tensor.default else func(*args, **kwargs)
+        if self.muted or active_fake_mode() is not self._fake:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        comm = _COLLECTIVES.get(func)
+        for t in outs:
+            self._id(t, self.comm_touched if comm else None)
+        if comm:
+            self._collective(func, comm, args, out, ins)
+        elif not func.is_view:
+            fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func)
+            flops = 0
+            if fn is not None:
+                flops = (fn(func, args, out) if func in _EXTRA_FLOPS
+                         else fn(*args, **kwargs, out_val=out))
+            self.flops += flops
+            self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
+        return out
+
+    def _collective(self, func, comm, args, out, ins) -> None:
+        kind, pg_arg, payload = comm
+        for t in ins:
+            self._id(t, self.comm_touched)
+        pg = args[pg_arg]
+        if isinstance(pg, str):
+            pg = dist.distributed_c10d._resolve_process_group(pg)
+        elif not isinstance(pg, dist.ProcessGroup):
+            pg = dist.ProcessGroup.unbox(pg)
+        t = out if payload == "out" else args[payload]
+        t = t[0] if isinstance(t, (list, tuple)) else t
+        t = t[0] if isinstance(t, (list, tuple)) else t
+        name = self.group_names.get(pg.group_name, "world" if pg.size() == dist.get_world_size() else "?")
+        key = (kind, name, self.phase)
+        if key not in self.comms:
+            self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), self.phase)
+        c = self.comms[key]
+        c.count += 1
+        c.bytes += _nbytes(t)
+
+    # ---- after the step
+    def result(self, params, grads, optim_state, repeat: list[tuple[int, int]] = (), times: int = 1,
+               extra: dict[str, float] | None = None) -> Trace:
+        """Replay the log with each storage's final category; call before the step's tensors die.
+        Each (start, end) slice of the log in `repeat` is replayed `times` times: the step of a
+        deeper model, whose extra blocks do exactly what the repeated ones did; `extra` adds
+        what those blocks hold before the step starts (parameters, optimizer state)."""
+        def ids(ts):
+            return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
+        final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
+                 ("collectives", self.resized), ("activations", self.saved), ("collectives", self.comm_touched)]
+
+        def category(sid: int) -> str:
+            return next((name for name, s in final if sid in s), "temporaries")
+
+        live = defaultdict(int, extra or {})
+        for sid, n in self._initial.items():
+            live[category(sid)] += n
+        initial = {c: live[c] - (extra or {}).get(c, 0) for c in CATEGORIES}
+        peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
+        log, last = [], 0
+        for start, end in sorted(repeat):
+            log += self.log[last:start] + self.log[start:end] * times
+            last = end
+        for phase, sid, delta in log + self.log[last:]:
+            live[category(sid)] += delta
+            total = sum(live.values())
+            if total > peaks[PHASES[phase]]["total"]:
+                peaks[PHASES[phase]] = {**live, "total": total}
+        peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
+        return Trace(peaks, list(self.comms.values()), self.flops, self.ops, initial)
+
+    def start(self) -> None:
+        """Mark the sizes counted so far as the step's starting point."""
+        self._initial = {s: n for s, n in self.sizes.items() if n}
