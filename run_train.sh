@@ -20,9 +20,11 @@ case " $* " in
 esac
 
 # Validate in one process first: bad input gives one clear line, not one per rank.
-# The config alone is checked without torch (fast), then layout, model and files.
+# The config alone is checked without torch (fast), then layout, model and files, then memory.
 python -m titanlite.config_load "$@"
 WORLD_SIZE=$((NGPU * NNODES)) python -m titanlite.train --check "$@"
+# A dry run of one step on fake tensors (seconds): refuse a layout that cannot fit in memory.
+python -m titanlite.dryrun --check-memory "$NGPU" --ngpu $((NGPU * NNODES)) "$@"
 
 if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then
   launch=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d

@@ -20,6 +20,10 @@ class Job:
     shutdown_timeout_s: int = 25
     """After SIGTERM/SIGINT, seconds the ranks have to finish the step, save and exit 0;
     past it they exit non-zero. Keep it below the launcher's grace period (torchrun: 30 s)."""
+    memory_check: str = "error"
+    """Before launch, run_train.sh dry-runs one step and compares the per-rank peak with the
+    device memory (CUDA: the GPU's; CPU: available host memory / local ranks): error refuses a
+    job whose estimate exceeds it by more than 10%, warn only prints, off skips the check."""
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,7 @@ def check_config(cfg: JobConfig) -> None:
             ("default", "always", "never"))
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
     _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
+    _choice("job.memory_check", cfg.job.memory_check, ("error", "warn", "off"))
     if t.max_skipped_steps < 0:
         raise ConfigError(f"training.max_skipped_steps must be >= 0, got {t.max_skipped_steps}")
     pr = cfg.profiling

@@ -1,6 +1,7 @@
 """Dry run of one real training step at any scale, on one CPU process, allocating nothing:
 
     python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--section.key value ...]
+    python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's memory preflight)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
 nothing) with fake tensors (shapes, no storage): the real config loading and preflight, the
@@ -144,6 +145,7 @@ def trace_step(cfg: JobConfig, plan, meshes, n_blocks: int, fake: FakeTensorMode
         for h in hooks:
             h.remove()
         grads = [p.grad for p in params if p.grad is not None]
+        params += list(model.buffers())  # counted with the parameters (RoPE tables)
         n = plan.args.n_layers
         if n == n_blocks or shallower is None:
             return tracer.result(params, grads, state)
@@ -287,8 +289,37 @@ def print_table(rep: dict) -> None:
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
 
 
+def device_limit_gib(local_ranks: int) -> tuple[float, str]:
+    """Memory one rank may use here: the GPU's, or the host's available memory shared by the local ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB, torch.cuda.get_device_name(0)
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return avail / GIB / local_ranks, f"available host memory / {local_ranks} local rank(s)"
+
+
+def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
+    """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate
+    exceeds what this machine has by more than 10%."""
+    if cfg.job.memory_check == "off":
+        return
+    from titanlite.estimate import estimate, train_device
+
+    est, _ = estimate(cfg, world_size, train_device(cfg))
+    limit, what = device_limit_gib(local_ranks)
+    if est.total / GIB <= 1.1 * limit:
+        return
+    msg = (f"the estimated per-rank peak {est.total / GIB:.2f} GiB (during {est.phase}) exceeds {limit:.2f} GiB "
+           f"({what}) by more than 10%; use more ranks or a larger tensor_parallel_degree, "
+           "activation_checkpoint.mode full or a smaller training.local_batch_size "
+           "(job.memory_check = warn or off skips this check)")
+    if cfg.job.memory_check == "error":
+        raise ConfigError(msg)
+    print(f"titanlite: warning: {msg}", file=sys.stderr)
+
+
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts, rest, i = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None}, [], 0
+    opts, rest, i = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}, [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         key = name[2:].replace("-", "_")
@@ -303,10 +334,11 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(argv[i])
         i += 1
-    for key in ("ngpu", "rank"):
-        if opts[key] is not None and not opts[key].isdigit() or key == "ngpu" and int(opts[key]) < 1:
-            raise ConfigError(f"--{key}: expected a {'positive' if key == 'ngpu' else 'non-negative'} "
-                              f"integer, got '{opts[key]}'")
+    for key in ("ngpu", "rank", "check_memory"):
+        if opts[key] is not None and not opts[key].isdigit():
+            raise ConfigError(f"--{key.replace('_', '-')}: expected a non-negative integer, got '{opts[key]}'")
+    if int(opts["ngpu"]) < 1:
+        raise ConfigError(f"--ngpu: expected a positive integer, got '{opts['ngpu']}'")
     return opts, rest
 
 
@@ -320,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         opts, rest = _parse(argv)
         gpu = hardware.get_gpu(opts["gpu"])
         cfg, _ = config.load(rest)
+        if opts["check_memory"] is not None:
+            check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]))
+            return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
         rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full_depth", False)), gpu)
     except ConfigError as e:

@@ -1,0 +1,130 @@
+"""The dry run: one real step on a fake process group with fake tensors.
+
+Memory replayed from a shallow trace equals a trace of every block; FLOPs match the model's
+own formula; every shipped config runs at the scale its comment names and fits in 80 GiB
+per GPU; bad input ends in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness import REPO, _env
+
+from titanlite import config, hardware
+from titanlite.dryrun import dry_run, main, report
+from titanlite.steptrace import PHASES
+
+CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
+
+
+def _scale(path: Path) -> int:
+    found = re.search(r"^# Intended scale: (\d+) GPU", path.read_text(), re.M)
+    assert found, f"{path.name}: the header must name its intended scale ('# Intended scale: N GPUs')"
+    return int(found.group(1))
+
+
+def test_shallow_trace_replayed_equals_every_block():
+    """12 blocks traced at 4 and 6 (selective AC every 2nd block: one period more) and replayed
+    to 12, against all 12 traced: the same peaks per phase and category, collectives and FLOPs,
+    under FSDP x TP with sequence parallel."""
+    cfg, _ = config.load(["--config", "llama3_100m.toml", "--training.seq_len", "32", "--training.local_batch_size", "1",
+                          "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_type", "layer", "--activation_checkpoint.selective_every", "2"])
+    (short,) = dry_run(cfg, 4)["_roles"]
+    (full,) = dry_run(cfg, 4, full_depth=True)["_roles"]
+    assert short.traced_blocks == (4, 6) and full.traced_blocks == (10, 12)
+    for phase in PHASES:
+        assert short.peaks[phase] == pytest.approx(full.peaks[phase], rel=1e-9), phase
+    assert short.comms.keys() == full.comms.keys()
+    for key, c in full.comms.items():
+        assert short.comms[key]["count"] == c["count"] and short.comms[key]["bytes"] == pytest.approx(c["bytes"]), key
+    assert short.flops == pytest.approx(full.flops, rel=1e-12)
+
+
+def test_flops_match_the_model_formula_and_layout_divides_the_work():
+    """FlopCounterMode's count of the traced step (forward + backward, every rank's share)
+    against 6 x parameters + attention: within 1%, and TP 2 halves each rank's share."""
+    argv = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    cfg, _ = config.load(argv)
+    one = dry_run(cfg, 1)
+    plan = one["_plan"]
+    expected = plan.spec.flops_per_token(plan.args, 64) * 2 * 64
+    assert one["_roles"][0].flops == pytest.approx(expected, rel=0.01)
+    cfg, _ = config.load([*argv, "--parallelism.tensor_parallel_degree", "2"])
+    assert dry_run(cfg, 2)["_roles"][0].flops == pytest.approx(expected / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_fits_at_its_intended_scale(path):
+    ngpu = _scale(path)
+    cfg, _ = config.load(["--config", str(path)])
+    rep = report(dry_run(cfg, ngpu), hardware.get_gpu("h100"))
+    assert rep["world_size"] == ngpu
+    (role,) = rep["roles"]
+    mem = role["memory_gib"]
+    assert 0 < mem["peak"] <= 80, f"{path.name} at {ngpu} GPUs: {mem}"
+    # the sharded state is what the parameter count says: fp32 parameters over the FSDP x TP ranks
+    n_params = sum(p.numel() for p in _meta_model(cfg, rep).parameters())
+    assert mem["parameters"] == pytest.approx(4 * n_params / ngpu / 2**30, rel=0.05)
+    assert mem["optimizer"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
+    pred = rep["predicted"]
+    assert pred["step_s"] > 0 and 0 < pred["mfu_pct"] < 100 and pred["tokens_per_sec_per_gpu"] > 0
+
+
+def _meta_model(cfg, rep):
+    import torch
+
+    from titanlite.model_spec import get_model_spec, model_args
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        return spec.build(model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len))
+
+
+def test_cli_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    main(["--config", "debug_model.toml", "--ngpu", "4", "--gpu", "a100", "--out", str(out),
+          "--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2"])
+    rep = json.loads(out.read_text())
+    assert rep["world_size"] == 4 and rep["layout"]["tp"] == 2 and rep["layout"]["dp_shard"] == 2
+    (role,) = rep["roles"]
+    assert role["rank"] == 0 and set(role["memory_gib"]) >= {"parameters", "gradients", "optimizer", "activations", "peak"}
+    # FSDP gathers over dp_shard, TP's sequence-parallel all-gathers and reduce-scatters over tp
+    kinds = {name.split(" ")[0] for name in role["collectives"]}
+    assert {"all_gather[dp_shard_cp]", "reduce_scatter[dp_shard_cp]", "all_gather[tp]", "reduce_scatter[tp]"} <= kinds
+    assert rep["predicted"]["gpu"] == "a100" and rep["predicted"]["mfu_pct"] > 0
+    assert "predicted on a100" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--gpu", "v100"], "--gpu: unknown GPU 'v100'; known: h100, h200, a100, b200"),
+    (["--ngpu", "6", "--parallelism.tensor_parallel_degree", "4"], "world size 6 is not divisible by dp_replicate 1"),
+    (["--ngpu", "2", "--rank", "2"], "--rank 2 is outside the world of 2 ranks"),
+    (["--ngpu", "0"], "--ngpu: expected a positive integer, got '0'"),
+    (["--training.local_batch_size", "4096", "--training.seq_len", "1024"], "exceeds the h100's 79.6 GiB"),
+])
+def test_bad_input_is_one_line(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "debug_model.toml", *argv])
+    msg = str(e.value.code)
+    assert msg.startswith("titanlite: error: ") and expect in msg and "\n" not in msg, msg
+
+
+def test_run_train_refuses_a_job_that_cannot_fit(tmp_path):
+    """The launcher's memory preflight: one line naming estimate and limit, before any rank starts;
+    job.memory_check = warn lets it through to the next check."""
+    big = ["--training.local_batch_size", "65536", "--training.seq_len", "256", "--training.steps", "20"]
+    proc = subprocess.run([str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path), *big], cwd=REPO,
+                          capture_output=True, text=True, env=_env({"NGPU": "1"}), timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "the estimated per-rank peak" in err[0] and "available host memory / 1 local rank(s)" in err[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["python", "-m", "titanlite.dryrun", "--check-memory", "1", *big, "--job.memory_check", "warn",
+                           "--job.dump_folder", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          env=_env(None) | {k: env[k] for k in ("OMP_NUM_THREADS",)}, timeout=300)
+    assert proc.returncode == 0 and proc.stderr.startswith("titanlite: warning: the estimated per-rank peak"), proc.stderr
