@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import REPO, _env
 
-from titanlite import config, hardware
+from titanlite import config_load as config, hardware
 from titanlite.dryrun import dry_run, main, report
 from titanlite.steptrace import PHASES
 

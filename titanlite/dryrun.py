@@ -16,7 +16,6 @@ for `selective` layer AC); `--full-depth` traces every block instead. See docs/s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
@@ -26,16 +25,18 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from titanlite import config, context_parallel, hardware
-from titanlite.attention import AttnContext
-from titanlite.config import ConfigError, JobConfig
+from titanlite import config_load, hardware
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.hardware import GIB
-from titanlite.loss import IGNORE_INDEX, build_loss_fn, loss_context
-from titanlite.optim import build_optimizer
-from titanlite.parallel import ParallelizeOptions, local_grad_sq, reduce_partial_grads
+from titanlite.optim import build_optimizers
+from titanlite.parallel import context, float8
+from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
+from titanlite.parallel.mesh import Meshes
+from titanlite.preflight import Plan, preflight
 from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 # The mesh dimensions whose collectives FSDP/HSDP issue beside compute
@@ -73,89 +74,79 @@ def group_names(meshes) -> dict[str, str]:
     return names
 
 
-def trace_step(cfg: JobConfig, plan, meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
+def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
                shallower: tuple[Trace, int] | None = None) -> Trace:
-    """Build the model with `n_blocks` blocks, parallelize it as train.py does, and trace one step.
+    """Set the model up with `n_blocks` blocks as train.py does and trace one step.
+
     Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 (interior
-    ones, a whole AC period) repeated until the depth is reached, in forward and in backward; what the
-    extra blocks hold from the start is extrapolated from the `shallower` trace."""
-    t, dims = cfg.training, plan.dims
-    args = dataclasses.replace(plan.args, n_layers=n_blocks)
-    param_dtype = getattr(torch, t.mixed_precision_param)
-    opts = ParallelizeOptions(param_dtype=param_dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
-                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
-                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
-                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
-    with torch.device("meta"):
-        model = plan.spec.build(args)
-    plan.spec.parallelize(model, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
+    ones, a whole AC period) repeated until the depth is reached, in forward and in backward; what
+    the extra blocks hold from the start is extrapolated from the `shallower` trace."""
+    from titanlite.train import build_parts, build_step, parallelize_options
+
+    t, dims, n = cfg.training, plan.dims, plan.args.n_layers
+    plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=n_blocks))
+    opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
+    parts = build_parts(plan, meshes, opts, None, t.seed)  # on meta, outside fake mode: mesh bookkeeping is real
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
-    cp_group = meshes.cp.get_group() if dims.cp > 1 else None
     tracer = StepTracer(group_names(meshes))
-    # as train.py: FSDP casts parameters itself; without it, autocast gives the mixed precision
-    autocast = (torch.autocast("cpu", dtype=param_dtype) if param_dtype != torch.float32 and not dims.fsdp
-                else contextlib.nullcontext())
     with fake:
         # weights stay uninitialised: their values do not change what the step allocates or sends
-        model.to_empty(device="cpu")
-        model.train()
-        optimizer = build_optimizer(model, cfg.optimizer)
+        for part in parts:
+            part.to_empty(device="cpu")
+            part.train()
+        optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
+        step = build_step(cfg, plan, parts, meshes, opts, "cpu")
+        hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
+        params = [p for part in parts for p in part.parameters()]
         # trace a steady-state step: AdamW creates its moments in the first step
-        for p in model.parameters():
+        for p in params:
             p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+        optimizers.step(None)
+        optimizers.zero_grad()
         batches = []
         for _ in range(accum):
-            ids = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len))
+            ids = torch.randint(0, plan.args.vocab_size, (t.local_batch_size, t.seq_len))
             batch = {"input_ids": ids, "labels": ids}
-            if cp_group is not None:
-                batch = context_parallel.shard_batch(batch, meshes.cp.get_local_rank(), dims.cp)
+            if dims.cp > 1:
+                batch = context.shard_batch(batch, meshes.cp.get_local_rank(), dims.cp)
             batches.append(batch)
-        state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
-        tracer.track([*model.parameters(), *model.buffers(), *state, *(v for b in batches for v in b.values())])
+        state = [v for opt in optimizers.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"]
+        buffers = [b for part in parts for b in part.buffers()]  # counted with the parameters (RoPE tables)
+        tracer.track([*params, *buffers, *state, *(v for b in batches for v in b.values())])
         tracer.start()
-        hooks = [model.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")),
-                 register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
-        for i, block in enumerate(model.layers.values()):
-            def backward_mark(mod, inputs, out, i=i):
-                if isinstance(out, torch.Tensor) and out.requires_grad:
-                    out.register_hook(lambda grad: tracer.mark(("backward", i)))
-            hooks += [block.register_forward_pre_hook(lambda *_, i=i: tracer.mark(("forward", i))),
-                      block.register_forward_hook(backward_mark)]
-        with tracer:
-            n_targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
-            dist.all_reduce(n_targets, group=meshes.dp_cp.get_group())
-            for batch in batches:
-                ctx = AttnContext(batch.get("positions"), None, cp_group, param_dtype)
-                with loss_context(opts.loss_parallel):
-                    with autocast:
-                        logits = model(batch["input_ids"], ctx)
-                    loss = loss_fn(logits, batch["labels"])
-                    (loss / n_targets).backward()
-            params = list(model.parameters())
+        handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
+        for part in parts:
+            handles.append(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")))
+            for i, block in getattr(part, plan.spec.blocks).items():
+                def backward_mark(mod, inputs, out, i=int(i)):
+                    if isinstance(out, torch.Tensor) and out.requires_grad:
+                        out.register_hook(lambda grad: tracer.mark(("backward", i)))
+                handles += [block.register_forward_pre_hook(lambda *_, i=int(i): tracer.mark(("forward", i))),
+                            block.register_forward_hook(backward_mark)]
+        with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
+            out = step(batches)
             reduce_partial_grads(params)
-            grad_sq = local_grad_sq(params)
-            dist.all_reduce(grad_sq)
+            with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
+                grad_sq = local_grad_sq(params, meshes.stage_ranks)
+            stats = torch.stack([grad_sq, out.loss_sum])
+            dist.all_reduce(stats)  # the guard's one world all-reduce: gradient norm and verdict
             if t.max_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, grad_sq.sqrt(), foreach=True)
-            optimizer.step()
-        for h in hooks:
+                torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, stats[0].sqrt(), foreach=True)
+            optimizers.step(None)
+            for hook in hooks:
+                hook()
+        for h in handles:
             h.remove()
         grads = [p.grad for p in params if p.grad is not None]
-        params += list(model.buffers())  # counted with the parameters (RoPE tables)
-        n = plan.args.n_layers
         if n == n_blocks or shallower is None:
-            return tracer.result(params, grads, state)
+            return tracer.result([*params, *buffers], grads, state)
         m = tracer.marks
         # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one)
         repeat = [*zip(m["forward", 2], m["forward", 2 + period]), *zip(m["backward", 1 + period], m["backward", 1])]
-        here = tracer.result(params, grads, state).initial
+        here = tracer.result([*params, *buffers], grads, state).initial
         ref, k = shallower
         extra = {c: (here[c] - ref.initial[c]) * (n - n_blocks) / (n_blocks - k) for c in here}
-        return tracer.result(params, grads, state, repeat, (n - n_blocks) // period + 1, extra)
+        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1, extra)
 
 
 @dataclasses.dataclass
@@ -209,8 +200,6 @@ def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: 
 def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full_depth: bool = False,
             device: str = "cuda") -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
-    from titanlite.train import preflight
-
     cfg = dry_config(cfg, device)
     plan = preflight(cfg, world_size)
     dims, ac = plan.dims, cfg.activation_checkpoint
@@ -303,7 +292,7 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
     exceeds what this machine has by more than 10%."""
     if cfg.job.memory_check == "off":
         return
-    from titanlite.estimate import estimate, train_device
+    from titanlite.tools.estimate import estimate, train_device
 
     est, _ = estimate(cfg, world_size, train_device(cfg))
     limit, what = device_limit_gib(local_ranks)
@@ -351,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         opts, rest = _parse(argv)
         gpu = hardware.get_gpu(opts["gpu"])
-        cfg, _ = config.load(rest)
+        cfg, _ = config_load.load(rest)
         if opts["check_memory"] is not None:
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]))
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.config import ConfigError
+from titanlite.errors import ConfigError
 
 GIB = 2**30
 

@@ -39,17 +39,38 @@ from titanlite.step import PlainStep
 from titanlite.validation import Validator
 
 
-def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: torch.device,
+def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:
+    return ParallelizeOptions(param_dtype=dtype, reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce),
+                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
+                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
+                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
+
+
+def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: torch.device | None,
                 seed: int) -> list[nn.Module]:
-    """This rank's model parts, parallelized and initialised (one part: the whole model)."""
+    """This rank's model parts, parallelized and initialised (one part: the whole model).
+    With no device they stay on meta, uninitialised (the dry run fills them with fake tensors)."""
     with torch.device("meta"):
         model = plan.spec.build(plan.args)
     parts = [model]
     for part in parts:
         parallelize(part, plan.spec, meshes, opts)
-        init.materialize(part, device, seed)
-        part.train()
+        if device is not None:
+            init.materialize(part, device, seed)
+            part.train()
     return parts
+
+
+def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
+               device_type: str, inject=lambda loss: loss) -> PlainStep:
+    """The step object for this layout (train.py and the dry run pick it the same way)."""
+    # FSDP casts parameters itself; without it, autocast gives the same mixed precision
+    autocast = (torch.autocast(device_type, dtype=opts.param_dtype)
+                if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
+    cp_group = meshes.cp.get_group() if plan.dims.cp > 1 else None
+    return PlainStep(parts[0], build_loss_fn(cfg.compile, opts.loss_parallel), opts.loss_parallel,
+                     cp_group, opts.param_dtype, meshes.dp_cp.get_group(), autocast, inject)
 
 
 def run_hooks(hooks: list) -> dict[str, torch.Tensor]:
@@ -73,11 +94,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     dims = plan.dims
     meshes = dims.build_meshes(device.type)
     dtype = param_dtype(t.mixed_precision_param, device)
-    opts = ParallelizeOptions(param_dtype=dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
-                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-                              activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
-                              loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
-                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
+    opts = parallelize_options(cfg, dims, dtype)
     parts = build_parts(plan, meshes, opts, device, t.seed)
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
     fused_optimizer = cfg.optimizer.implementation == "fused"
@@ -108,11 +125,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     peak_flops = device_peak_flops(device)
     stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
-    # FSDP casts parameters itself; without it, autocast gives the same mixed precision
-    autocast = (torch.autocast(device.type, dtype=dtype)
-                if dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
-    train_step = PlainStep(parts[0], build_loss_fn(cfg.compile, opts.loss_parallel), opts.loss_parallel,
-                           cp_group, dtype, meshes.dp_cp.get_group(), autocast, guard.inject_loss)
+    train_step = build_step(cfg, plan, parts, meshes, opts, device.type, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     params = [p for part in parts for p in part.parameters()]
     data_iter = iter(loader)

@@ -1,4 +1,4 @@
-"""Memory estimate per rank before launch: `python -m titanlite.estimate --config X --ngpu N [overrides]`.
+"""Memory estimate per rank before launch: `python -m titanlite.tools.estimate --config X --ngpu N [overrides]`.
 
 A dry run of one real training step (titanlite.dryrun) on fake tensors and a fake process
 group, as this machine would train it (CUDA: bf16 by default; CPU: float32): the peak of the
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite import config
-from titanlite.config import ConfigError, JobConfig
-from titanlite.dist import ParallelDims
+from titanlite import config_load
+from titanlite.config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallel.mesh import ParallelDims
 from titanlite.steptrace import CATEGORIES
 
 GIB = 2**30
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         ngpu, rest = _parse(argv)
-        cfg, _ = config.load(rest)
+        cfg, _ = config_load.load(rest)
         e, dims = estimate(cfg, ngpu)
     except ConfigError as err:
         sys.exit(f"titanlite: error: {err}")
