@@ -6,6 +6,7 @@ per GPU; bad input ends in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from harness import REPO, _env
 
 from titanlite import config_load as config, hardware
 from titanlite.dryrun import dry_run, main, report
+from titanlite.model_spec import get_model_spec
 from titanlite.steptrace import PHASES
 
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
@@ -28,16 +30,18 @@ def _scale(path: Path) -> int:
     return int(found.group(1))
 
 
-def test_shallow_trace_replayed_equals_every_block():
-    """12 blocks traced at 4 and 6 (selective AC every 2nd block: one period more) and replayed
-    to 12, against all 12 traced: the same peaks per phase and category, collectives and FLOPs,
-    under FSDP x TP with sequence parallel."""
-    cfg, _ = config.load(["--config", "llama3_100m.toml", "--training.seq_len", "32", "--training.local_batch_size", "1",
+def test_shallow_trace_replayed_equals_every_block(monkeypatch):
+    """An 8-block debug model traced at 4 and 6 blocks (selective AC every 2nd block: one period
+    more) and replayed to 8, against all 8 traced: the same peaks per phase and category,
+    collectives and FLOPs, under FSDP x TP with sequence parallel."""
+    spec = get_model_spec("llama3")
+    monkeypatch.setitem(spec.flavors, "debug8", dataclasses.replace(spec.flavors["debugmodel"], n_layers=8))
+    cfg, _ = config.load(["--model.flavor", "debug8", "--training.seq_len", "64", "--training.local_batch_size", "2",
                           "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
                           "--activation_checkpoint.selective_type", "layer", "--activation_checkpoint.selective_every", "2"])
     (short,) = dry_run(cfg, 4)["_roles"]
     (full,) = dry_run(cfg, 4, full_depth=True)["_roles"]
-    assert short.traced_blocks == (4, 6) and full.traced_blocks == (10, 12)
+    assert short.traced_blocks == (4, 6) and full.traced_blocks == (6, 8)
     for phase in PHASES:
         assert short.peaks[phase] == pytest.approx(full.peaks[phase], rel=1e-9), phase
     assert short.comms.keys() == full.comms.keys()
@@ -71,7 +75,7 @@ def test_shipped_config_fits_at_its_intended_scale(path):
     # the sharded state is what the parameter count says: fp32 parameters over the FSDP x TP ranks
     n_params = sum(p.numel() for p in _meta_model(cfg, rep).parameters())
     assert mem["parameters"] == pytest.approx(4 * n_params / ngpu / 2**30, rel=0.05)
-    assert mem["optimizer"] == pytest.approx(2 * mem["parameters"], rel=1e-6)
+    assert mem["optimizer"] == pytest.approx(2 * mem["parameters"], rel=0.01)  # parameters include buffers
     pred = rep["predicted"]
     assert pred["step_s"] > 0 and 0 < pred["mfu_pct"] < 100 and pred["tokens_per_sec_per_gpu"] > 0
 
@@ -79,7 +83,7 @@ def test_shipped_config_fits_at_its_intended_scale(path):
 def _meta_model(cfg, rep):
     import torch
 
-    from titanlite.model_spec import get_model_spec, model_args
+    from titanlite.model_spec import model_args
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         return spec.build(model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len))
@@ -110,8 +114,9 @@ def test_cli_writes_the_report(tmp_path, capsys):
 def test_bad_input_is_one_line(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--config", "debug_model.toml", *argv])
-    msg = str(e.value.code)
-    assert msg.startswith("titanlite: error: ") and expect in msg and "\n" not in msg, msg
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("titanlite: error: ") and expect in err[0], err
 
 
 def test_run_train_refuses_a_job_that_cannot_fit(tmp_path):

@@ -66,6 +66,14 @@ def depths(n: int, period: int, full: bool) -> tuple[int, int]:
     return k1, k1 + period
 
 
+def default_roles(dims) -> list[int]:
+    """One rank per distinct kind of work. Without pipeline stages every rank does the same work
+    and rank 0 holds the largest FSDP shard (padding goes to the last ranks). With pipeline
+    parallelism this becomes the first rank of each distinct stage (the first and the last
+    differ from the middle ones by the embedding, the output and the loss)."""
+    return [0]
+
+
 def group_names(meshes) -> dict[str, str]:
     names = {}
     for mesh in (meshes.dense, meshes.batch, meshes.loss):
@@ -206,8 +214,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     for r in ranks or []:
         if not 0 <= r < world_size:
             raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
-    # without pipeline stages every rank does the same work; rank 0 holds the largest FSDP shard
-    ranks = ranks or [0]
+    ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
     n = plan.args.n_layers
     ks = depths(n, period, full_depth)
@@ -347,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
         rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full_depth", False)), gpu)
     except ConfigError as e:
-        sys.exit(f"titanlite: error: {e}")
+        print(f"titanlite: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print_table(rep)
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")
     if opts["out"]:
@@ -355,9 +363,11 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(rep, f, indent=1)
     if not rep["predicted"]["fits"]:
         peak = max(r["memory_gib"]["peak"] for r in rep["roles"])
-        sys.exit(f"titanlite: error: the per-rank peak {peak:.1f} GiB exceeds the {gpu.name}'s "
-                 f"{gpu.memory_gib:.1f} GiB; use more GPUs (data_parallel_shard_degree), a larger "
-                 "tensor_parallel_degree, activation_checkpoint.mode full or a smaller training.local_batch_size")
+        print(f"titanlite: error: the per-rank peak {peak:.1f} GiB exceeds the {gpu.name}'s "
+              f"{gpu.memory_gib:.1f} GiB; use more GPUs (data_parallel_shard_degree), a larger "
+              "tensor_parallel_degree, activation_checkpoint.mode full or a smaller training.local_batch_size",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
