@@ -30,3 +30,5 @@ row 2 $D --training.seq_len 256 --training.local_batch_size 8 --activation_check
 row 2 $M --training.seq_len 128 --training.local_batch_size 1
 row 2 $M --training.seq_len 128 --training.local_batch_size 1 --optimizer.implementation foreach
 row 1 $D --training.seq_len 64 --training.local_batch_size 4 --optimizer.implementation foreach
+row 2 $D --training.seq_len 64 --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2
+row 2 $M --training.seq_len 256 --training.local_batch_size 2 --parallelism.tensor_parallel_degree 2

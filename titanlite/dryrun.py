@@ -21,7 +21,6 @@ import json
 import sys
 import tempfile
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -252,10 +251,12 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
             "rank": role.rank, "traced_blocks": list(role.traced_blocks), "peak_phase": role.peak_phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
             "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
-            "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB, "group_size": v["group_size"]}
+            "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
+                                              "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": role.times[gpu.name].step()})
+            "step_s": role.times[gpu.name].step(),
+            "step_terms_s": dataclasses.asdict(role.times[gpu.name])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
     return {"world_size": world, "layout": result["layout"], "config": cfg, "roles": roles,
