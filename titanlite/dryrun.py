@@ -205,8 +205,10 @@ def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: 
 
 
 def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full_depth: bool = False,
-            device: str = "cuda") -> dict:
-    """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
+            device: str = "cuda", memory_only: bool = False) -> dict:
+    """Preflight the job as `world_size` ranks on `device`, trace each role's step.
+    `memory_only` skips the shallower trace where the deeper one is the whole model (it only
+    serves the per-block split of the time terms)."""
     cfg = dry_config(cfg, device)
     plan = preflight(cfg, world_size)
     dims, ac = plan.dims, cfg.activation_checkpoint
@@ -217,6 +219,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
     n = plan.args.n_layers
     ks = depths(n, period, full_depth)
+    if memory_only and ks[1] == n:
+        ks = (n, n)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     roles = []
     for rank in ranks:

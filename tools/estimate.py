@@ -40,7 +40,7 @@ def train_device(cfg: JobConfig) -> str:
 def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
     from titanlite.dryrun import dry_run
 
-    result = dry_run(cfg, world_size, device=device or train_device(cfg))
+    result = dry_run(cfg, world_size, device=device or train_device(cfg), memory_only=True)
     role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
     peak = role.peaks[role.peak_phase]
     return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims
