@@ -122,7 +122,7 @@ def test_bad_input_is_one_line(argv, expect, capsys):
 def test_run_train_refuses_a_job_that_cannot_fit(tmp_path):
     """The launcher's memory preflight: one line naming estimate and limit, before any rank starts;
     job.memory_check = warn lets it through to the next check."""
-    big = ["--training.local_batch_size", "65536", "--training.seq_len", "256", "--training.steps", "20"]
+    big = ["--training.local_batch_size", "4096", "--training.seq_len", "2048", "--training.steps", "20"]
     proc = subprocess.run([str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path), *big], cwd=REPO,
                           capture_output=True, text=True, env=_env({"NGPU": "1"}), timeout=300)
     err = proc.stderr.strip().splitlines()
