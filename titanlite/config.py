@@ -75,6 +75,9 @@ class Parallelism:
     """Tensor (and sequence) parallel degree."""
     context_parallel_degree: int = 1
     """Context parallel degree (sequence sharding across ranks)."""
+    expert_parallel_degree: int = 1
+    """Expert parallel degree for MoE models: experts split over this many ranks, taken from
+    data_parallel_shard_degree x context_parallel_degree (it must divide that product)."""
     fsdp_reshard_after_forward: str = "default"
     """default (reshard all but the root), always, or never (ZeRO-2 style)."""
     loss_parallel: bool = True
