@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -243,3 +244,13 @@ def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None) -> dict
     bias_norm = torch.stack([m.router.expert_bias.norm() for m in moes]).norm()
     return {"moe_load_max_over_mean_worst": ratio.max(), "moe_load_max_over_mean_avg": ratio.mean(),
             "moe_router_bias_norm": bias_norm}
+
+
+def post_step_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], dict[str, torch.Tensor]]]:
+    """ModelSpec.post_step_hooks for any family built on this layer: after each optimizer step,
+    sum the loads over the ranks holding different tokens (data x context parallel), move the
+    router biases, and hand back the load statistics to log."""
+    moes = moe_layers(parts)
+    dims = meshes.dims
+    group = meshes.dp_cp.get_group() if dims.dp * dims.cp > 1 else None
+    return [partial(update_router_bias, moes, group)] if moes else []

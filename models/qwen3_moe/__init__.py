@@ -1,7 +1,7 @@
 """Qwen3-MoE family: flavors with the published shapes, and the spec the framework loads."""
 
 from titanlite.model_spec import ModelSpec
-from titanlite.moe import MoEArgs
+from titanlite.moe import MoEArgs, post_step_hooks
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
@@ -35,4 +35,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 
 SPEC = ModelSpec(name="qwen3_moe", flavors=flavors, build=Transformer, parallelize=parallelize,
-                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER)
+                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER,
+                 post_step_hooks=post_step_hooks)
