@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from titanlite.loss import add_extra_loss
 
@@ -64,14 +65,17 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[i
     if any(d * size % 16 for d in dims):
         return f"expert widths {dims} in {dtype} are not multiples of 16 bytes (grouped GEMM strides)"
     key = (device.type, dtype)
-    if key not in _PROBED:
-        x = torch.zeros(4, 8, device=device, dtype=dtype)
-        w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
-        try:
-            torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
-            _PROBED[key] = None
-        except (RuntimeError, NotImplementedError) as e:
-            _PROBED[key] = f"torch._grouped_mm does not run on {device.type} in {dtype} ({str(e).splitlines()[0]})"
+    # outside any dispatch mode: per-op activation checkpointing replays ops by count, and
+    # the first forward (which probes) would not match its recomputation (which does not)
+    with _disable_current_modes(), torch.no_grad():
+        if key not in _PROBED:
+            x = torch.zeros(4, 8, device=device, dtype=dtype)
+            w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+            try:
+                torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
+                _PROBED[key] = None
+            except (RuntimeError, NotImplementedError) as e:
+                _PROBED[key] = f"torch._grouped_mm does not run on {device.type} in {dtype} ({str(e).splitlines()[0]})"
     return _PROBED[key]
 
 

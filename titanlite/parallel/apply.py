@@ -41,7 +41,7 @@ class ParallelizeOptions:
 
 
 # Per-op selective AC keeps the outputs of these ops (the expensive ones: matmuls,
-# attention, and collectives that TP/CP would otherwise repeat) and recomputes the
+# attention, and collectives that TP/CP/EP would otherwise repeat) and recomputes the
 # cheap elementwise ops between them (norms, RoPE, SiLU, residual adds).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -51,7 +51,18 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
+    # mixture of experts: the experts' grouped GEMM and expert parallel's token all-to-all
+    torch.ops.aten._grouped_mm.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
+
+
+# FSDP modules nested inside a checkpointed block (expert-parallel experts have their own)
+# annotate their hooks with profiler ranges a different number of times in forward and in
+# recomputation, which per-op AC replays by count and refuses. The ranges compute nothing:
+# let per-op AC pass them through, as PyTorch does for detach (fixed upstream in later torch).
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                          torch.ops.profiler._record_function_exit._RecordFunction}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
