@@ -127,7 +127,7 @@ def test_aux_loss_gradient_is_its_sum_over_the_target_count():
     """Inside a step, the layer's term reaches the router as if loss_sum / n_targets were added
     to the loss; its value is collected; outside a step it is inert."""
     args = dataclasses.replace(ARGS, aux_loss_coeff=1.0)
-    x, n_targets = _x(), 5
+    x, n_targets = _x(), torch.tensor(5.0)
     moe = _moe(args)
     with extra_losses(n_targets) as sums:
         _main_loss(moe(x)).backward()
@@ -152,7 +152,7 @@ def _main_loss(out: torch.Tensor) -> torch.Tensor:
 
 def _grad_without_aux(x: torch.Tensor) -> torch.Tensor:
     moe = _moe(ARGS)
-    with extra_losses(5):
+    with extra_losses(torch.tensor(5.0)):
         _main_loss(moe(x)).backward()
     return moe.router.gate.weight.grad
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from models.qwen3_moe import SPEC, activated_params, flavors, hf
-from models.qwen3_moe.model import Transformer
-from titanlite.config import ConfigError
+from titanlite.models.qwen3_moe import SPEC, activated_params, flavors, hf
+from titanlite.models.qwen3_moe.model import Transformer
+from titanlite.errors import ConfigError
 from titanlite.hf_io import read_config, read_safetensors, write_hf_folder
 
 import transformers  # noqa: E402

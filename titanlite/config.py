@@ -239,6 +239,21 @@ class Float8:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts training knobs (model families whose blocks use titanlite.moe)."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch style; loads counted over each
+    micro-batch on all data-parallel ranks); 0 = off."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every router's
+    selection bias moves by this much towards the mean load; 0 = off."""
+    grouped_mm: str = "auto"
+    """Experts as one grouped GEMM (torch._grouped_mm): auto (where supported, else a loop
+    over experts), on (grouped GEMM or an error), off (the loop)."""
+
+
+@dataclass(frozen=True)
 class Comm:
     init_timeout_s: int = 300
     """Timeout for process-group creation and the first collectives."""
@@ -284,3 +299,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     float8: Float8 = field(default_factory=Float8)
+    moe: MoE = field(default_factory=MoE)

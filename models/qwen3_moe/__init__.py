@@ -1,11 +1,11 @@
 """Qwen3-MoE family: flavors with the published shapes, and the spec the framework loads."""
 
 from titanlite.model_spec import ModelSpec
-from titanlite.moe import MoEArgs, post_step_hooks
+from titanlite.moe import AUX_LOSS, MoEArgs, post_step_hooks
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
-from .parallelize import parallelize, validate
+from .parallelize import check_layout, tp_plan
 
 # Shapes of the released Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B configs: every block is
 # MoE (128 experts, top 8, renormalised), no shared expert, untied, rope_theta 1e6, 40960 positions.
@@ -34,6 +34,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * activated_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-SPEC = ModelSpec(name="qwen3_moe", flavors=flavors, build=Transformer, parallelize=parallelize,
-                 flops_per_token=flops_per_token, validate=validate, hf=ADAPTER,
-                 post_step_hooks=post_step_hooks)
+SPEC = ModelSpec(name="qwen3_moe", flavors=flavors, build=Transformer, tp_plan=tp_plan,
+                 flops_per_token=flops_per_token, check_layout=check_layout, hf=ADAPTER,
+                 post_step_hooks=post_step_hooks, extra_losses=(AUX_LOSS,))

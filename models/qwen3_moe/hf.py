@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from models.qwen3.hf import _LAYER as _DENSE_LAYER
-from models.qwen3.hf import _TOP
-from titanlite.config import ConfigError
+from titanlite.models.qwen3.hf import _LAYER as _DENSE_LAYER
+from titanlite.models.qwen3.hf import _TOP
+from titanlite.errors import ConfigError
 from titanlite.hf_io import HFAdapter
 from titanlite.moe import MoEArgs
 

@@ -9,13 +9,12 @@ that changes attention is a new family anyway. Parallelism lives in parallelize.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from models.qwen3.model import Attention, FeedForward, rope_angles
+from titanlite.models.qwen3.model import Attention, FeedForward, rope_angles
 from titanlite import init
 from titanlite.attention import AttnContext
 from titanlite.moe import MoE, MoEArgs
@@ -57,41 +56,6 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-# Second projections of each residual branch start smaller with depth (as in Qwen3 here).
-_OUT_PROJ = ("wo", "w2", "w3")
-
-
-def _param_std(fqn: str, args: ModelArgs) -> tuple[float, float | None]:
-    """(std, truncation in stds) of a parameter by its canonical name."""
-    if fqn == "tok_embeddings.weight" and not args.tie_embeddings:
-        return 1.0, None
-    if fqn in ("output.weight", "tok_embeddings.weight"):  # tied: the table is initialised as the output
-        return args.dim ** -0.5, 3.0
-    layer = int(fqn.split(".")[1])
-    leaf = fqn.removesuffix(".weight").rsplit(".", 1)[-1]
-    if leaf in _OUT_PROJ:
-        return 0.02 / (2 * (layer + 1)) ** 0.5, 3.0
-    return 0.02, 3.0
-
-
-def _normal(param: torch.Tensor, fqn: str, seed: int, std: float, cutoff: float | None) -> None:
-    """Draw the full parameter from a generator keyed by (seed, name, shape), keep this rank's part:
-    the same values on every layout, whatever else the model holds."""
-    key = zlib.crc32(f"{seed}:{fqn}:{tuple(param.shape)}".encode())
-    full = torch.empty(param.shape, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(key)
-    if cutoff is None:
-        torch.nn.init.normal_(full, std=std, generator=gen)
-    else:
-        torch.nn.init.trunc_normal_(full, std=std, a=-cutoff * std, b=cutoff * std, generator=gen)
-    with torch.no_grad():
-        init._assign(param, full.to(device=param.device, dtype=param.dtype))
-
-
-def canonical(fqn: str) -> str:
-    return fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -106,27 +70,30 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int | torch.Generator) -> None:
-        """Fill every parameter and buffer; call after `to_empty` on the target device. Each
-        parameter's values depend only on (seed, name, full shape), so any layout, expert
-        shards included, starts from the same weights."""
-        if isinstance(seed, torch.Generator):
-            seed = seed.initial_seed()
-        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight  # to_empty unties plain parameters
+    def init_weights(self, seed: int) -> None:
+        """Fill the RoPE tables, the router biases and every parameter this module holds (a
+        pipeline stage holds some); call after `to_empty`. A value depends only on (seed, its
+        name, its full shape), so expert shards draw the same values on any layout."""
         angles = rope_angles(self.args)
         self.rope_cos.copy_(angles.cos())
         self.rope_sin.copy_(angles.sin())
-        for name, p in self.named_parameters():
-            fqn = canonical(name)
-            if fqn.endswith("norm.weight"):
-                init.ones_(p)
-            else:
-                _normal(p, fqn, seed, *_param_std(fqn, self.args))
-        for name, b in self.named_buffers():
-            if name.endswith("expert_bias") or name.endswith("tokens_per_expert"):
-                b.zero_()
+        for name, buf in self.named_buffers():
+            if name.endswith(("expert_bias", "tokens_per_expert")):
+                init.zeros_(buf)
+        for name, param in self.named_parameters():
+            name = init.canonical(name)
+            if name.endswith("norm.weight"):
+                init.ones_(param)
+            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+                init.normal_(param, name, seed, 1.0)
+            elif name in ("tok_embeddings.weight", "output.weight"):
+                # tied or not, drawn as the output's table, on whichever stage holds it
+                init.normal_(param, "output.weight", seed, self.args.dim ** -0.5, cutoff=3.0)
+            else:  # layers.<i>.<attention|feed_forward|moe>.[experts|shared|router].<w>[.weight]
+                layer, linear = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
+                # second projections of each branch start smaller with depth, as in Qwen3 here
+                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
+                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits."""

@@ -1,42 +1,32 @@
-"""How Qwen3-MoE is parallelized. Order: expert parallel, AC, compile of the dense parts, FSDP
-(experts on their own mesh first, then blocks, then the root)."""
+"""How Qwen3-MoE is parallelized: the layouts its shapes allow, and its tensor-parallel plan.
+titanlite.parallel.apply applies every dimension (expert parallel included) in one order for
+every family; MoE layers need nothing from the family beyond these checks."""
 
 from __future__ import annotations
 
-import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Placement
 
-from titanlite.config import ConfigError
-from titanlite.dist import Meshes, ParallelDims
-from titanlite.expert_parallel import apply_ep, set_stats_group, shard_experts
-from titanlite.parallel import ParallelizeOptions, apply_ac, apply_fsdp
+from titanlite.errors import ConfigError
+from titanlite.models.qwen3.parallelize import tp_plan as _qwen3_tp_plan
+from titanlite.parallel.mesh import ParallelDims
+from titanlite.parallel.tensor import TPPlan
 
 from .model import ModelArgs
 
 
-def validate(args: ModelArgs, dims: ParallelDims) -> None:
+def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
     """Refuse layouts the shapes cannot serve, before any weight is allocated."""
     if dims.tp > 1:
-        raise ConfigError("parallelism.tensor_parallel_degree > 1 is not supported for qwen3_moe yet; use 1")
+        raise ConfigError(f"parallelism.tensor_parallel_degree {dims.tp}: MoE blocks under tensor parallelism "
+                          "are not implemented yet; use 1 (expert and data parallelism shard the experts)")
     if args.moe.num_experts % dims.ep:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} does not divide the model's "
                           f"{args.moe.num_experts} experts; pick a degree that divides it")
+    if not 1 <= args.moe.top_k <= args.moe.num_experts:
+        raise ConfigError(f"the model's top_k {args.moe.top_k} must be between 1 and its "
+                          f"{args.moe.num_experts} experts")
 
 
-def parallelize(model: nn.Module, meshes: Meshes, opts: ParallelizeOptions) -> None:
-    dims = meshes.dims
-    if dims.ep > 1:
-        apply_ep(model, meshes.experts["ep"])
-    if dims.dp * dims.cp > 1:
-        set_stats_group(model, meshes.dp_cp.get_group())
-    apply_ac(model.layers, opts.activation_checkpoint)
-    if opts.compile.enable:
-        # routing has data-dependent shapes: compile attention, whose shapes are static
-        for block in model.layers.values():
-            block.attention.compile(fullgraph=True)
-    if dims.fsdp:
-        if dims.ep > 1:
-            mesh = meshes.experts["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else meshes.experts["efsdp"]
-            mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
-            shard_experts(model, mesh, mp, opts.reshard_after_forward != "never")
-        apply_fsdp(model, model.layers, meshes.fsdp, opts)
+def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+    """Attention as in Qwen3 (check_layout refuses tp > 1 until MoE blocks have a plan)."""
+    return _qwen3_tp_plan(between, loss_parallel)

@@ -82,8 +82,8 @@ class Meshes:
     loss: DeviceMesh
     """[dp_cp, tp]: the ranks whose token sums make up the global loss."""
     experts: DeviceMesh
-    """[dp_replicate, efsdp, ep, tp]: experts split over ep, each part FSDP-sharded over efsdp
-    (dp_shard x cp / ep) and replicated over dp_replicate (HSDP)."""
+    """[dp_replicate, efsdp, ep, tp]: experts split over ep (ep neighbouring ranks of dp_shard x
+    cp), each part FSDP-sharded over efsdp = dp_shard x cp / ep and replicated over dp_replicate."""
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -95,6 +95,17 @@ class Meshes:
     @property
     def tp(self) -> DeviceMesh:
         return self.dense["tp"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """Where each expert-parallel part of the experts is FSDP-sharded (HSDP with replicas)."""
+        if self.dims.dp_replicate > 1:
+            return self.experts["dp_replicate", "efsdp"]
+        return self.experts["efsdp"]
 
     @property
     def dp(self) -> DeviceMesh:
