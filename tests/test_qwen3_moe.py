@@ -9,7 +9,14 @@ import torch
 from titanlite.models.qwen3_moe import SPEC, activated_params, flavors, hf
 from titanlite.models.qwen3_moe.model import Transformer
 from titanlite.errors import ConfigError
-from titanlite.hf_io import read_config, read_safetensors, write_hf_folder
+from harness import TINY, train
+
+from titanlite.checkpoint import load_tensors, write_model_checkpoint
+from titanlite.config import Data
+from titanlite.data import build_dataloader
+from titanlite.hf_io import read_config, read_safetensors
+from titanlite.tokenizer import ByteTokenizer
+from titanlite.tools.convert import main as convert_main
 
 import transformers  # noqa: E402
 
@@ -93,7 +100,8 @@ def test_import_matches_transformers_logits(tmp_path):
     assert all(torch.equal(fused[k], v) for k, v in ours.state_dict().items())
 
 
-def test_export_loads_in_transformers(tmp_path):
+def test_export_through_the_converter_loads_in_transformers(tmp_path):
+    """titanlite checkpoint -> convert dcp hf -> from_pretrained gives our logits; and back."""
     args, _ = _tiny()
     ours = Transformer(args)
     ours.init_weights(2)
@@ -101,16 +109,41 @@ def test_export_loads_in_transformers(tmp_path):
         for name, p in ours.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    write_hf_folder(tmp_path, SPEC.hf.to_hf(ours.state_dict(), args), SPEC.hf.config_to_hf(args, torch.float32),
-                    max_shard_bytes=200_000)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
-    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        expected, got = theirs(TOKENS).logits, ours.eval()(TOKENS)
-    assert (got - expected).abs().max().item() <= 1e-5
     back = SPEC.hf.from_hf(SPEC.hf.to_hf(ours.state_dict(), args), args)
     assert back.keys() == ours.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    write_model_checkpoint(tmp_path / "step-0", ours.state_dict(), "qwen3_moe", args)
+    convert_main(["dcp", "hf", str(tmp_path / "step-0"), str(tmp_path / "hf")])
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in read_safetensors(tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        assert (theirs(TOKENS).logits - ours.eval()(TOKENS)).abs().max().item() <= 1e-5
+    convert_main(["hf", "dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model", "qwen3_moe"])
+    again = load_tensors(tmp_path / "dcp")
+    assert all(torch.equal(again[k], v) for k, v in ours.state_dict().items())
+
+
+def test_training_starts_from_hf_weights_under_ep2(tmp_path):
+    """The trainer's HF import, experts split over two ranks, computes transformers' loss at step 1."""
+    args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3MoeForCausalLM(_hf_config(args, initializer_range=0.1)).float().eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "experts" in name or "mlp.gate" in name:
+                p.normal_(0, 0.1)
+    theirs.save_pretrained(tmp_path / "hf")
+    batch = next(iter(build_dataloader(Data(holdout_fraction=0.0), ByteTokenizer(), seq_len=64, global_batch_size=4,
+                                       local_batch_size=4, dp_rank=0, dp_degree=1)))
+    with torch.no_grad():
+        logits = theirs(batch["input_ids"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    run = train(2, [*TINY, "--model.name", "qwen3_moe", "--training.steps", "2", "--training.global_batch_size", "4",
+                    "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+                    "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf"])
+    assert "initial weights from" in run.output
+    assert abs(run.losses[0] - expected) / expected <= 1e-5, (run.losses[0], expected)
 
 
 def test_export_refuses_a_router_bias():

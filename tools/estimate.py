@@ -3,7 +3,8 @@
 Nothing real is allocated: parameter shapes come from the model built on the meta device,
 their per-rank share from the mesh arithmetic (FSDP shards dim 0 over dp_shard x cp, TP
 splits the block and embedding matrices), and activations from what eager autograd keeps
-for each Llama block under the chosen activation-checkpointing mode.
+for each Llama block under the chosen activation-checkpointing mode (MoE blocks: their
+feed-forward's routed copies and expert activations instead, loads assumed balanced).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ class Estimate:
                                                       self.gradients + self.step_buffers)
 
 
-def _local_numel(param: nn.Parameter, dims: ParallelDims) -> int:
+def _local_numel(param: nn.Parameter, dims: ParallelDims, expert: bool = False) -> int:
     shape = list(param.shape)
     if dims.tp > 1 and len(shape) == 2:
         shape[0] = math.ceil(shape[0] / dims.tp)  # colwise/rowwise alike: 1/tp of the matrix
     shard = dims.dp_shard * dims.cp
+    if expert and dims.ep > 1:  # experts split over ep, each part FSDP-sharded over the rest
+        shape[0], shard = math.ceil(shape[0] / dims.ep), shard // dims.ep
     if shard > 1:
         shape[0] = math.ceil(shape[0] / shard)  # FSDP pads dim 0 to a multiple of the degree
     return math.prod(shape)
@@ -71,6 +74,8 @@ def block_activation_elems(args, mode: str, selective_every: int, selective_type
     """
     d, k, f, n = args.dim, args.n_kv_heads * args.head_dim, args.ffn_hidden, args.n_layers
     none, full, per_op = 8 * d + 3 * k + 4 * f, d, 5 * d + 2 * k + 2 * f
+    if hasattr(args, "moe"):
+        none, per_op = none - 4 * f + _moe_elems(args)[0], per_op - 2 * f + _moe_elems(args)[1]
     if mode == "none":
         return n * none
     if mode == "full":
@@ -81,6 +86,20 @@ def block_activation_elems(args, mode: str, selective_every: int, selective_type
     return recomputed * full + (n - recomputed) * none
 
 
+def _moe_elems(args) -> tuple[float, float]:
+    """What a MoE feed-forward keeps per token instead of the dense 4F (no AC) and 2F (per-op
+    AC), for k routed copies of the token with experts of width H (E experts, S shared width,
+    loads assumed balanced): router scores and their softmax/sigmoid and gate weights in fp32
+    (about 3E, counted in activation elements at 4 bytes as 2 x 3E), the gathered copies and, under
+    expert parallel, both all-to-all outputs (3kD), the experts' w1/w3 outputs, SiLU and product
+    (4kH), their w2 output, the copy back in token order and the weighted copies (3kD), and the
+    shared expert like a dense FFN (4S). Per-op AC keeps the three grouped GEMM outputs (2kH +
+    kD), the all-to-all outputs (2kD) and the shared expert's matmuls (2S)."""
+    m, d = args.moe, args.dim
+    kd, kh, s = m.top_k * d, m.top_k * m.hidden, m.shared_hidden
+    return 6 * m.num_experts + 6 * kd + 4 * kh + 4 * s, 2 * kh + 3 * kd + 2 * s
+
+
 def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
     from titanlite.preflight import preflight
 
@@ -88,8 +107,9 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
     dims, args, t, ac = plan.dims, plan.args, cfg.training, cfg.activation_checkpoint
     with torch.device("meta"):
         model = plan.spec.build(args)
-    local = sum(_local_numel(p, dims) for p in model.parameters())
-    full_block = sum(p.numel() for p in model.layers["0"].parameters())
+    local = sum(_local_numel(p, dims, ".experts." in n) for n, p in model.named_parameters())
+    # a block unsharded by FSDP holds its rank's share of the experts (1/ep)
+    full_block = sum(p.numel() // (dims.ep if ".experts." in n else 1) for n, p in model.layers["0"].named_parameters())
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
 
     device = "cuda" if (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())) else "cpu"
