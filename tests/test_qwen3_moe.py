@@ -139,7 +139,7 @@ def test_training_starts_from_hf_weights_under_ep2(tmp_path):
     with torch.no_grad():
         logits = theirs(batch["input_ids"]).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
-    run = train(2, [*TINY, "--model.name", "qwen3_moe", "--training.steps", "2", "--training.global_batch_size", "4",
+    run = train(2, [*TINY, "--model.name", "qwen3_moe", "--training.steps", "3", "--training.global_batch_size", "4",
                     "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
                     "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf"])
     assert "initial weights from" in run.output
