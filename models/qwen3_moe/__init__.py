@@ -13,7 +13,7 @@ flavors = {
     # 8 experts of width 128, top 2: small enough for CPU tests, sparse enough to route unevenly
     "debugmodel": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden=768,
                             vocab_size=512, moe=MoEArgs(num_experts=8, top_k=2, hidden=128)),
-    # benchmark shapes (docs/benchmarks.md): ~107M parameters, ~31.5M activated per token, and a
+    # benchmark shapes (docs/benchmarks.md): 107.5M parameters, 32.0M activated per token, and a
     # dense twin with the same attention whose feed-forward is as wide as the top-2 experts together
     "bench100m": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, ffn_hidden=2048,
                            vocab_size=512, moe=MoEArgs(num_experts=8, top_k=2, hidden=1024)),
