@@ -2,12 +2,18 @@
 model of the same activated size, each with MFU against the matmul rate of the same run.
 
     OMP_NUM_THREADS=1 python scripts/bench_moe.py [--warmup 2] [--steps 5] [--repeat 2]
+    OMP_NUM_THREADS=1 python scripts/bench_moe.py --layer [--rounds 10]
 
 Runs `python -m titanlite.tools.bench` (the real trainer, one process) for: qwen3_moe
 debugmodel with moe.grouped_mm on and off; the ~107M-parameter bench100m (8 experts of width
 1024, top 2, 8 layers of width 512) on and off; and its dense twin bench100m_dense (the same
 attention, a 2048-wide feed-forward: the same activated parameters). MFU counts activated
 parameters only (`flops_per_token`). Prints a Markdown table.
+
+--layer times one MoE layer alone (forward + backward, the debug and bench100m shapes, 1024
+tokens), grouped GEMM and loop and a plain matmul of the same FLOPs interleaved round after
+round in one process, keeping each one's best round: on a shared machine the rounds that others
+slowed down drop out, and the matmul rate is taken in the same minutes as the layer.
 """
 
 from __future__ import annotations
@@ -36,6 +42,51 @@ def bench(flavor: str, grouped: str, args: argparse.Namespace) -> dict:
     return data["results"][0]
 
 
+def time_layers(rounds: int) -> None:
+    import dataclasses
+    import time
+
+    import torch
+
+    from titanlite.models.qwen3_moe import flavors
+    from titanlite.moe import MoE
+
+    print("| shape | experts as | fwd+bwd ms (best) | GFLOP/s | % of matmul rate | matmul GFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in ("debugmodel", "bench100m"):
+        args = flavors[name]
+        x = torch.randn(1024, args.dim)
+        layers = {}
+        for mode in ("on", "off"):
+            torch.manual_seed(0)
+            layers[mode] = MoE(args.dim, dataclasses.replace(args.moe, grouped_mm=mode))
+            for p in layers[mode].parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        # routed FLOPs, forward + backward (3x forward): k copies of each token through 3 matmuls
+        flops = 3 * 2 * x.shape[0] * args.moe.top_k * 3 * args.dim * args.moe.hidden
+        a, b = torch.randn(1024, args.dim), torch.randn(args.dim, args.moe.top_k * 3 * args.moe.hidden)
+        best = {"on": float("inf"), "off": float("inf"), "mm": float("inf")}
+
+        def mm() -> None:
+            for _ in range(3):
+                torch.mm(a, b)
+
+        for _ in range(rounds):
+            for key in ("on", "off", "mm"):
+                t0 = time.perf_counter()
+                if key == "mm":
+                    mm()
+                else:
+                    xi = x.clone().requires_grad_()
+                    layers[key](xi[None]).sum().backward()
+                best[key] = min(best[key], time.perf_counter() - t0)
+        rate = flops / best["mm"]
+        for key, how in (("on", "grouped GEMM"), ("off", "loop")):
+            got = flops / best[key]
+            print(f"| {name} | {how} | {1000 * best[key]:.1f} | {got / 1e9:.1f} | {100 * got / rate:.0f} | "
+                  f"{rate / 1e9:.1f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--warmup", type=int, default=2)
@@ -43,7 +94,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--layer", action="store_true")
+    p.add_argument("--rounds", type=int, default=10)
     args = p.parse_args()
+    if args.layer:
+        time_layers(args.rounds)
+        return
     print("| model | experts as | ms/step | tok/s | activated GFLOP/token | matmul GFLOP/s | MFU % |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for flavor, grouped in RUNS:
