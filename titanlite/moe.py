@@ -193,7 +193,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, expert_ids, scores = self.router(x)
         flat_ids = expert_ids.flatten()
-        counts = torch.bincount(flat_ids, minlength=self.args.num_experts)
+        # scatter_add rather than bincount, which reads the largest id on the host (a sync) on CUDA
+        counts = torch.zeros(self.args.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
         with torch.no_grad():
             # Recomputation under activation checkpointing counts a layer twice; balancing and
             # the logged max/mean only use ratios between one layer's counts, which that keeps.
