@@ -39,3 +39,11 @@ def test_expert_parallel_matches_single_process(layout):
 
 def test_every_gradient_matches_under_ep2_with_fsdp2():
     assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2"])
+
+
+def test_compiled_dense_parts_under_ep2_match_single_process():
+    # attention compiled per block, the MoE layers (data-dependent shapes) eager
+    ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
+    run = train(2, [*MOE, *BALANCE, *LAYOUTS["ep2"][1], "--compile.enable", "true",
+                    "--compile.components", "model,loss"])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)

@@ -89,14 +89,16 @@ def apply_compile(blocks: nn.ModuleDict) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
     hooks stay outside the compiled region). In a block with MoE layers, whose routing has
-    data-dependent shapes, each child without one is compiled instead (attention, norms)."""
+    data-dependent shapes, the family's own children without one are compiled instead
+    (attention, a dense feed-forward); torch's modules (the norms) have no frame of their own
+    for Dynamo to compile alone."""
     for block in blocks.values():
         if not moe_layers([block]):
             block.compile(fullgraph=True)
             continue
         inner = getattr(block, "_checkpoint_wrapped_module", block)
         for child in inner.children():
-            if not moe_layers([child]):
+            if not moe_layers([child]) and not type(child).__module__.startswith("torch."):
                 child.compile(fullgraph=True)
 
 
