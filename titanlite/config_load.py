@@ -230,7 +230,8 @@ def check_config(cfg: JobConfig) -> None:
         _choice("compile.components", component, ("model", "loss"))
     _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
     _choice("moe.grouped_mm", cfg.moe.grouped_mm, ("auto", "on", "off"))
-    for key, val in [("moe.aux_loss_coeff", cfg.moe.aux_loss_coeff), ("moe.bias_update_rate", cfg.moe.bias_update_rate)]:
+    for key, val in [("moe.aux_loss_coeff", cfg.moe.aux_loss_coeff),
+                     ("moe.bias_update_rate", cfg.moe.bias_update_rate)]:
         if val < 0:
             raise ConfigError(f"{key} must be >= 0, got {val}")
     if t.gc_freq < 0:
