@@ -1,7 +1,7 @@
 """Per-parameter gradient parity of one parallelized step against the same model unsharded.
 
 Run under torchrun: `python -m torch.distributed.run --nproc_per_node N tests/grad_parity.py
-MODEL DP_SHARD TP [nosp]` (nosp: tensor parallel without sequence parallel). Every rank builds the single-device model too and compares each full
+MODEL DP_SHARD TP [nosp] [ep=N]` (nosp: tensor parallel without sequence parallel; ep=N: expert parallel). Every rank builds the single-device model too and compares each full
 gradient; loss-curve parity alone can miss a small parameter whose gradient is never
 reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
@@ -25,9 +25,9 @@ from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import reduce_partial_grads
 
 
-def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool) -> None:
+def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, ep: int = 1) -> None:
     init_process_group(torch.device("cpu"), 120)
-    dims = ParallelDims(1, dp_shard, 1, tp)
+    dims = ParallelDims(1, dp_shard, 1, tp, ep)
     meshes = dims.build_meshes("cpu")
     spec = get_model_spec(name)
     args = model_args(spec, "debugmodel", 0, 32)
@@ -66,4 +66,6 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] != ["nosp"])
+    flags = sys.argv[4:]
+    ep = next((int(f.removeprefix("ep=")) for f in flags if f.startswith("ep=")), 1)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep)

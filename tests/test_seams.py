@@ -29,7 +29,7 @@ from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import ParallelDims
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_tied"])
 def test_a_stage_with_some_layers_initialises_them_as_the_whole_model(family, flavor):
     spec = get_model_spec(family)

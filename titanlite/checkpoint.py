@@ -87,17 +87,27 @@ class _Optimizer:
 
 
 class _Scheduler:
-    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config."""
+    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config.
+    Every param group of every part follows one schedule, so the per-group lists are saved as one
+    value: the number of groups depends on the layout (one per mesh, see optim.by_mesh)."""
+
+    _PER_GROUP = ("lr_lambdas", "base_lrs", "_last_lr")
 
     def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
         self.schedulers = schedulers
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.schedulers[0].state_dict().items() if k != "lr_lambdas"}
+        sd = {k: v for k, v in self.schedulers[0].state_dict().items() if k not in self._PER_GROUP}
+        return {**sd, "last_lr": self.schedulers[0].get_last_lr()[0]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        sd = dict(sd)
+        last_lr = sd.pop("last_lr", None)
+        if "_last_lr" in sd:  # written before the lists were folded
+            last_lr = sd["_last_lr"][0]
+        sd = {k: v for k, v in sd.items() if k not in self._PER_GROUP}
         for sched in self.schedulers:
-            sched.load_state_dict({**sched.state_dict(), **sd})
+            sched.load_state_dict({**sched.state_dict(), **sd, "_last_lr": [last_lr] * len(sched.base_lrs)})
 
 
 class _Data:

@@ -79,6 +79,9 @@ class Parallelism:
     """Tensor (and sequence) parallel degree."""
     context_parallel_degree: int = 1
     """Context parallel degree (sequence sharding across ranks)."""
+    expert_parallel_degree: int = 1
+    """Expert parallel degree for MoE models: experts split over this many ranks, taken from
+    data_parallel_shard_degree x context_parallel_degree (it must divide that product)."""
     fsdp_reshard_after_forward: str = "default"
     """default (reshard all but the root), always, or never (ZeRO-2 style)."""
     loss_parallel: bool = True
@@ -240,6 +243,21 @@ class Float8:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts training knobs (model families whose blocks use titanlite.moe)."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss (Switch style; loads counted over each
+    micro-batch on all data-parallel ranks); 0 = off."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every router's
+    selection bias moves by this much towards the mean load; 0 = off."""
+    grouped_mm: str = "auto"
+    """Experts as one grouped GEMM (torch._grouped_mm): auto (where supported, else a loop
+    over experts), on (grouped GEMM or an error), off (the loop)."""
+
+
+@dataclass(frozen=True)
 class Comm:
     init_timeout_s: int = 300
     """Timeout for process-group creation and the first collectives."""
@@ -285,3 +303,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     float8: Float8 = field(default_factory=Float8)
+    moe: MoE = field(default_factory=MoE)

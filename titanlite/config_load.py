@@ -179,6 +179,7 @@ def check_config(cfg: JobConfig) -> None:
                      ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
                      ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
                      ("parallelism.context_parallel_degree", p.context_parallel_degree),
+                     ("parallelism.expert_parallel_degree", p.expert_parallel_degree),
                      ("activation_checkpoint.selective_every", cfg.activation_checkpoint.selective_every),
                      ("comm.init_timeout_s", cfg.comm.init_timeout_s),
                      ("comm.train_timeout_s", cfg.comm.train_timeout_s),
@@ -229,6 +230,11 @@ def check_config(cfg: JobConfig) -> None:
     for component in cfg.compile.components:
         _choice("compile.components", component, ("model", "loss"))
     _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    _choice("moe.grouped_mm", cfg.moe.grouped_mm, ("auto", "on", "off"))
+    for key, val in [("moe.aux_loss_coeff", cfg.moe.aux_loss_coeff),
+                     ("moe.bias_update_rate", cfg.moe.bias_update_rate)]:
+        if val < 0:
+            raise ConfigError(f"{key} must be >= 0, got {val}")
     if t.gc_freq < 0:
         raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic), got {t.gc_freq}")
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:

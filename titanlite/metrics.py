@@ -15,7 +15,10 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr",
            "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib",
            "skipped_steps": "train/skipped_steps",
-           "epoch": "data/epoch"}
+           "epoch": "data/epoch", "moe_aux_loss": "moe/aux_loss",
+           "moe_load_max_over_mean_worst": "moe/tokens_per_expert_max_over_mean_worst_layer",
+           "moe_load_max_over_mean_avg": "moe/tokens_per_expert_max_over_mean_avg_layers",
+           "moe_router_bias_norm": "moe/router_bias_norm"}
 
 
 def device_peak_flops(device: torch.device) -> float | None:

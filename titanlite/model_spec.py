@@ -66,8 +66,9 @@ def get_model_spec(name: str) -> ModelSpec:
     return importlib.import_module(f"titanlite.models.{name}").SPEC
 
 
-def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int) -> Any:
-    """The flavor's args with config overrides applied and checked."""
+def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None) -> Any:
+    """The flavor's args with config overrides applied and checked (`moe`: the [moe] section,
+    for families whose args carry titanlite.moe.MoEArgs as `moe`)."""
     if flavor not in spec.flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{flavor}' for '{spec.name}'; "
                           f"available: {', '.join(spec.flavors)}")
@@ -79,4 +80,9 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int) -> A
     updates = {"max_seq_len": seq_len}
     if vocab_size:
         updates["vocab_size"] = vocab_size
+    if moe is not None and hasattr(args, "moe"):
+        updates["moe"] = dataclasses.replace(args.moe, aux_loss_coeff=moe.aux_loss_coeff,
+                                             bias_update_rate=moe.bias_update_rate, grouped_mm=moe.grouped_mm)
+    elif moe is not None and moe != type(moe)():
+        raise ConfigError(f"the [moe] keys apply to mixture-of-experts models; {spec.name} {flavor} has no experts")
     return dataclasses.replace(args, **updates)

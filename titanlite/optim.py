@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from dataclasses import dataclass
 
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config import LRScheduler, Optimizer
@@ -46,9 +47,19 @@ class Optimizers:
         return self.schedulers[0].get_last_lr()[0]
 
 
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors split by DTensor mesh: one foreach or fused op takes one mesh, and expert-parallel
+    experts live on another mesh than the dense weights."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int) -> Optimizers:
     fused = cfg.implementation == "fused"
-    opts = [torch.optim.AdamW(part.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+    # a param group per mesh: each group is one fused/foreach update
+    opts = [torch.optim.AdamW([{"params": ps} for ps in by_mesh(list(part.parameters()))], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                               weight_decay=cfg.weight_decay, fused=fused, foreach=not fused) for part in parts]
     return Optimizers(parts, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
 

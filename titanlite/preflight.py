@@ -12,11 +12,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titanlite.checkpoint import check_shapes, read_info, read_metadata, resume_step, saved_shapes
-from titanlite.config import Checkpoint, JobConfig
+from titanlite.config import Checkpoint, JobConfig, Training
 from titanlite.data import probe_data
 from titanlite.errors import ConfigError
 from titanlite.hf_io import check_hf_config
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
+from titanlite.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
 from titanlite.tokenizer import Tokenizer, build_tokenizer
@@ -40,8 +41,13 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """All checks that need no process group, so bad input fails fast on every rank."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
-    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len)
+    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
+    if dims.ep > 1 and not hasattr(args, "moe"):
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
+                          "has no experts; set it to 1")
     spec.check_layout(args, dims)
+    if hasattr(args, "moe") and cfg.moe.grouped_mm == "on":
+        check_grouped_mm((args.moe.hidden, args.dim), cfg.training)
     context.check_seq_len(cfg.training.seq_len, dims.cp)
     # sequence parallel splits each rank's (context-parallel) share of the sequence over tp
     if cfg.parallelism.sequence_parallel and cfg.training.seq_len % (dims.tp * dims.cp):
@@ -93,6 +99,16 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
     with torch.device("meta"):
         expected = {k: v.shape for k, v in get_model_state_dict(spec.build(args)).items()}
     check_shapes(expected, saved_shapes(read_metadata(path), "model."), str(path))
+
+
+def check_grouped_mm(widths: tuple[int, int], t: Training) -> None:
+    """moe.grouped_mm = on where it cannot run: say so before launch. CPU is probed; on CUDA only
+    what needs no device (the kernel's presence, stride alignment) is checked here."""
+    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    dtype = param_dtype(t.mixed_precision_param, torch.device("cuda" if cuda else "cpu"))
+    why = grouped_mm_supported(torch.device("meta" if cuda else "cpu"), dtype, widths)
+    if why is not None:
+        raise ConfigError(f"moe.grouped_mm = on, but {why}; use auto or off")
 
 
 def check_writable(folder: str) -> None:

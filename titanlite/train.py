@@ -28,7 +28,7 @@ from titanlite.fault import Guard, enable_flight_recorder
 from titanlite.launch import last_word
 from titanlite.loss import build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
-from titanlite.optim import build_optimizers, warmup_note
+from titanlite.optim import build_optimizers, by_mesh, warmup_note
 from titanlite.parallel import context, float8
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
@@ -154,7 +154,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(params, meshes.stage_ranks),
                                         read_now=logs or ckpt.due(step) or not fused_optimizer)
         if t.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, grad_norm, foreach=True)
+            for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
+                torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, grad_norm, foreach=True)
         lr = optimizers.lr
         ckpt.wait_for_staging()
         if not guard.skip:

@@ -13,8 +13,10 @@ torch.load(path, weights_only=True).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,10 +34,21 @@ def _adapter(spec: ModelSpec):
     return spec.hf
 
 
+def _rebuild(template: Any, values: dict[str, Any]) -> Any:
+    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args) and tuples
+    come back as dicts and lists."""
+    fields = {}
+    for f in dataclasses.fields(template):
+        if f.name in values:
+            v, t = values[f.name], getattr(template, f.name)
+            fields[f.name] = _rebuild(t, v) if dataclasses.is_dataclass(t) else tuple(v) if isinstance(t, tuple) else v
+    return dataclasses.replace(template, **fields)
+
+
 def _read_dcp(path: Path):
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    args = type(next(iter(spec.flavors.values())))(**info["args"])
+    args = _rebuild(next(iter(spec.flavors.values())), info["args"])
     return spec, args, load_tensors(path, "model.")
 
 

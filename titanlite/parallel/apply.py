@@ -1,6 +1,6 @@
 """The one parallelize order, for every model family and every model part:
 
-float8 -> tensor parallel -> activation checkpointing -> per-block compile -> FSDP (blocks
+float8 -> tensor parallel -> expert parallel -> activation checkpointing -> per-block compile -> FSDP (blocks
 bottom-up, then the root). Context parallel needs no module change (attention reads the
 cp group from its AttnContext); a pipeline stage is cut before this runs on it.
 """
@@ -13,12 +13,13 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
+from titanlite.moe import moe_layers
+from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.tensor import apply_tp, between_layout
@@ -41,7 +42,7 @@ class ParallelizeOptions:
 
 
 # Per-op selective AC keeps the outputs of these ops (the expensive ones: matmuls,
-# attention, and collectives that TP/CP would otherwise repeat) and recomputes the
+# attention, and collectives that TP/CP/EP would otherwise repeat) and recomputes the
 # cheap elementwise ops between them (norms, RoPE, SiLU, residual adds).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -51,7 +52,18 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
+    # mixture of experts: the experts' grouped GEMM and expert parallel's token all-to-all
+    torch.ops.aten._grouped_mm.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
+
+
+# FSDP modules nested inside a checkpointed block (expert-parallel experts have their own)
+# annotate their hooks with profiler ranges a different number of times in forward and in
+# recomputation, which per-op AC replays by count and refuses. The ranges compute nothing:
+# let per-op AC pass them through, as PyTorch does for detach (a known PyTorch issue).
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                          torch.ops.profiler._record_function_exit._RecordFunction}
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -75,14 +87,27 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
 def apply_compile(blocks: nn.ModuleDict) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
-    hooks stay outside the compiled region)."""
+    hooks stay outside the compiled region). In a block with MoE layers, whose routing has
+    data-dependent shapes, the family's own children without one are compiled instead
+    (attention, a dense feed-forward); torch's modules (the norms) have no frame of their own
+    for Dynamo to compile alone."""
     for block in blocks.values():
-        block.compile(fullgraph=True)
+        if not moe_layers([block]):
+            block.compile(fullgraph=True)
+            continue
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        for child in inner.children():
+            if not moe_layers([child]) and not type(child).__module__.startswith("torch."):
+                child.compile(fullgraph=True)
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, opts: ParallelizeOptions) -> None:
-    """fully_shard each block bottom-up, then the root (embeddings, final norm, output)."""
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, meshes: Meshes, opts: ParallelizeOptions) -> None:
+    """fully_shard each block bottom-up, then the root (embeddings, final norm, output).
+    Expert-parallel experts are sharded first, on their own mesh, so the blocks leave them be."""
     mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
+    mesh = meshes.fsdp
+    if meshes.dims.ep > 1:
+        shard_experts(model, meshes.expert_fsdp, mp, opts.reshard_after_forward != "never")
     names = list(blocks.keys())
     for i, name in enumerate(names):
         if opts.reshard_after_forward == "default":
@@ -108,8 +133,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
     if meshes.dims.tp > 1:
         plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
         apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel)
+    if meshes.dims.ep > 1:
+        apply_ep(model, meshes.ep)
+    if meshes.dims.dp * meshes.dims.cp > 1:
+        set_stats_group(model, meshes.dp_cp.get_group())
     apply_ac(blocks, opts.activation_checkpoint)
     if opts.compile.enable:
         apply_compile(blocks)
     if meshes.dims.fsdp:
-        apply_fsdp(model, blocks, meshes.fsdp, opts)
+        apply_fsdp(model, blocks, meshes, opts)

@@ -22,6 +22,8 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1
+    """Expert parallel: experts split over ep ranks taken from dp_shard x cp."""
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
@@ -36,7 +38,11 @@ class ParallelDims:
             raise ConfigError(f"parallelism degrees dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
                               f"{r * s * c * t} differ from the world size {world_size}; "
                               "make their product equal the number of ranks")
-        return ParallelDims(r, s, c, t)
+        e = cfg.expert_parallel_degree
+        if e < 1 or (s * c) % e:
+            raise ConfigError(f"parallelism.expert_parallel_degree {e} must divide data_parallel_shard_degree {s} "
+                              f"x context_parallel_degree {c} = {s * c} (expert parallel takes its ranks from them)")
+        return ParallelDims(r, s, c, t, e)
 
     @property
     def dp(self) -> int:
@@ -58,6 +64,9 @@ class ParallelDims:
                                    ("dp_replicate", "dp_shard_cp", "tp")),
             batch=world._unflatten(0, (self.dp, self.cp, self.tp), ("dp", "cp", "tp")),
             loss=world._unflatten(0, (self.dp * self.cp, self.tp), ("dp_cp", "tp")),
+            # ep innermost within dp_shard x cp: an expert-parallel group is ep neighbouring ranks
+            experts=world._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp),
+                                     ("dp_replicate", "efsdp", "ep", "tp")),
         )
 
 
@@ -72,6 +81,9 @@ class Meshes:
     """[dp, cp, tp]: which slice of the global batch, and of the sequence, a rank holds."""
     loss: DeviceMesh
     """[dp_cp, tp]: the ranks whose token sums make up the global loss."""
+    experts: DeviceMesh
+    """[dp_replicate, efsdp, ep, tp]: experts split over ep (ep neighbouring ranks of dp_shard x
+    cp), each part FSDP-sharded over efsdp = dp_shard x cp / ep and replicated over dp_replicate."""
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -83,6 +95,17 @@ class Meshes:
     @property
     def tp(self) -> DeviceMesh:
         return self.dense["tp"]
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.experts["ep"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh:
+        """Where each expert-parallel part of the experts is FSDP-sharded (HSDP with replicas)."""
+        if self.dims.dp_replicate > 1:
+            return self.experts["dp_replicate", "efsdp"]
+        return self.experts["efsdp"]
 
     @property
     def dp(self) -> DeviceMesh:

@@ -1,0 +1,49 @@
+"""Qwen3-MoE under expert parallelism reproduces its single-process run on the same global batch.
+
+Each single-process reference runs the global batch as one micro-batch: the auxiliary loss
+balances each micro-batch's tokens over all data-parallel ranks, so it is layout independent
+for a fixed split of the step into micro-batches, not across different splits."""
+
+import pytest
+from harness import TINY, assert_grad_parity, assert_parity, reference, train
+
+MOE = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8"]
+BALANCE = ["--moe.aux_loss_coeff", "0.01", "--moe.bias_update_rate", "0.001"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+LAYOUTS = {
+    "ep2": (2, ["--training.local_batch_size", "4", *EP2]),
+    # experts split in two, each half FSDP-sharded over two ranks
+    "ep2xdp2": (4, ["--training.local_batch_size", "2", *EP2]),
+    # expert-parallel ranks taken from the context-parallel ones
+    "ep2xcp2": (4, ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
+                    "--parallelism.context_parallel_degree", "2", *EP2]),
+    "ep4_op_ac": (4, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4",
+                      "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_matches_single_process(layout):
+    """Balancing on in every layout: the router biases move after each step and the
+    auxiliary loss is part of the loss, so both must come out the same."""
+    nproc, extra = LAYOUTS[layout]
+    ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
+    run = train(nproc, [*MOE, *BALANCE, *extra])
+    assert_parity(ref.losses, run.losses)
+    for key in ("grad_norm", "moe_aux_loss", "moe_router_bias_norm"):
+        assert_parity([r[key] for r in ref.metrics], [r[key] for r in run.metrics], 1e-5, 1e-3)
+    for key in ("moe_load_max_over_mean_worst", "moe_load_max_over_mean_avg"):
+        assert [r[key] for r in ref.metrics] == [r[key] for r in run.metrics]
+    assert run.metrics[-1]["moe_router_bias_norm"] > 0 and run.metrics[-1]["moe_aux_loss"] > 0
+
+
+def test_every_gradient_matches_under_ep2_with_fsdp2():
+    assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2"])
+
+
+def test_compiled_dense_parts_under_ep2_match_single_process():
+    # attention compiled per block, the MoE layers (data-dependent shapes) eager
+    ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
+    run = train(2, [*MOE, *BALANCE, *LAYOUTS["ep2"][1], "--compile.enable", "true",
+                    "--compile.components", "model,loss"])
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)

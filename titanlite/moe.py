@@ -1,0 +1,262 @@
+"""A mixture-of-experts feed-forward layer that any model family can use (next to attention.py).
+
+Token-choice top-k routing, dropless: every token reaches its k experts, there is no capacity
+factor. Experts are SwiGLU MLPs stored as stacked weights `[num_experts, ...]` (the layout
+checkpoints keep whatever the expert-parallel degree), computed with one grouped GEMM
+(`torch._grouped_mm`) where this torch and device support it, else a loop over experts.
+
+Load balancing, two kinds:
+- auxiliary-loss-free (DeepSeek-V3): a per-expert bias added to the scores for *selection only*
+  (the gate weights come from the unbiased scores), moved after each optimizer step towards the
+  mean load by `update_router_bias`, from loads counted over the whole data-parallel batch;
+- a load-balancing auxiliary loss (Switch style), added to the training loss through
+  `titanlite.loss.add_extra_loss`.
+Expert parallelism replaces `MoE.dispatch` (titanlite/parallel/expert.py); the math here is
+the single-device reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from titanlite.loss import add_extra_loss
+
+log = logging.getLogger(__name__)
+
+AUX_LOSS = "moe_aux_loss"
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden: int = 768
+    """Width of each routed expert's SwiGLU hidden layer (Hugging Face's moe_intermediate_size)."""
+    shared_hidden: int = 0
+    """Width of the shared expert every token passes through (several shared experts are one
+    wider one); 0: none."""
+    score_func: str = "softmax"
+    """"softmax" over experts (Qwen3-MoE) or per-expert "sigmoid" (DeepSeek-V3)."""
+    renormalize: bool = True
+    """Rescale each token's top-k scores to sum to one (Qwen3-MoE's norm_topk_prob)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: step of the selection bias after each optimizer step; 0 = off."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss; 0 = off."""
+    grouped_mm: str = "auto"
+    """"auto": grouped GEMM where supported, else the loop; "on": grouped GEMM or an error; "off": loop."""
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> str | None:
+    """None if torch._grouped_mm runs for these expert widths here, else why not."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    size = torch.empty((), dtype=dtype).element_size()
+    if any(d * size % 16 for d in dims):
+        return f"expert widths {dims} in {dtype} are not multiples of 16 bytes (grouped GEMM strides)"
+    key = (device.type, dtype)
+    # outside any dispatch mode: per-op activation checkpointing replays ops by count, and
+    # the first forward (which probes) would not match its recomputation (which does not)
+    with _disable_current_modes(), torch.no_grad():
+        if key not in _PROBED:
+            x = torch.zeros(4, 8, device=device, dtype=dtype)
+            w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+            try:
+                torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
+                _PROBED[key] = None
+            except (RuntimeError, NotImplementedError) as e:
+                _PROBED[key] = f"torch._grouped_mm does not run on {device.type} in {dtype} ({str(e).splitlines()[0]})"
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, torch.dtype], str | None] = {}
+_LOGGED: set[str] = set()
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The rank's experts: under expert parallelism the stacked weights are DTensors sharded on dim 0."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class GroupedExperts(nn.Module):
+    """num_experts SwiGLU MLPs as three stacked weights, in nn.Linear's (out, in) orientation."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, mode: str = "auto"):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
+        self.mode = mode
+        self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
+
+    def _pick(self, x: torch.Tensor) -> bool:
+        reason = "forced off by moe grouped_mm = off" if self.mode == "off" else grouped_mm_supported(
+            x.device, x.dtype, tuple(self.w1.shape[1:]))
+        if reason is not None and self.mode == "on":
+            raise RuntimeError(f"grouped_mm = on, but {reason}")
+        path = "grouped GEMM (torch._grouped_mm)" if reason is None else f"a loop over experts: {reason}"
+        if path not in _LOGGED:
+            _LOGGED.add(path)
+            log.info(f"MoE experts run as {path}")
+        return reason is None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x: [N, dim], rows grouped by expert (counts[e] rows for the rank's local expert e, in order).
+        `sizes` is counts on the host when the caller has it (the loop needs it)."""
+        if self.use_grouped_mm is None:
+            self.use_grouped_mm = self._pick(x)
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.use_grouped_mm:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        sizes = counts.tolist() if sizes is None else sizes  # the loop needs the sizes on the host
+        outs = [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+                for e, xe in enumerate(torch.split(x, sizes))]
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class Router(nn.Module):
+    """Scores every expert per token and picks the top k."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # Aux-loss-free balancing bias: it moves selection only, never the gate weights. A
+        # buffer (not trained by the optimizer), saved in checkpoints; zero unless updated.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, dim] -> gate weights [T, k], expert ids [T, k], scores [T, E] (float32)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            expert_ids = torch.topk(scores + self.expert_bias, self.args.top_k, dim=-1).indices
+        weights = scores.gather(-1, expert_ids)
+        if self.args.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, expert_ids, scores
+
+
+class FeedForward(nn.Module):
+    """The shared expert: a plain SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def local_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """No expert parallelism: every expert is here, x is already grouped by expert."""
+    return experts(x, counts)
+
+
+class MoE(nn.Module):
+    """Drop-in replacement for a block's feed-forward: [B, S, dim] -> [B, S, dim]."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        if not 1 <= args.top_k <= args.num_experts:
+            raise ValueError(f"MoE top_k {args.top_k} must be between 1 and num_experts {args.num_experts}")
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm)
+        self.shared = FeedForward(dim, args.shared_hidden) if args.shared_hidden else None
+        # tokens routed to each expert since the last optimizer step, for balancing and metrics;
+        # not saved (the step's counts are consumed by the post-step hook)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
+        """Runs the experts on tokens grouped by (global) expert id; expert parallelism swaps it."""
+        self.stats_group: dist.ProcessGroup | None = None
+        """The ranks holding different tokens of one micro-batch (data x context parallel), over
+        which the auxiliary loss counts loads; None on one process."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, expert_ids, scores = self.router(x)
+        flat_ids = expert_ids.flatten()
+        # scatter_add rather than bincount, which reads the largest id on the host (a sync) on CUDA
+        counts = torch.zeros(self.args.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_ids, torch.ones_like(flat_ids))
+        with torch.no_grad():
+            # Recomputation under activation checkpointing counts a layer twice; balancing and
+            # the logged max/mean only use ratios between one layer's counts, which that keeps.
+            self.tokens_per_expert += counts
+        # group the T*k (token, slot) pairs by expert; stable, so the order is layout independent
+        order = torch.argsort(flat_ids, stable=True)
+        routed = self.dispatch(self.experts, x[order // self.args.top_k], counts)
+        # back to (token, slot) order, then each token's weighted sum over its k slots in slot order
+        out = torch.empty_like(routed).index_copy(0, order, routed).view(-1, self.args.top_k, shape[-1])
+        out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            out = add_extra_loss(out, AUX_LOSS, self._aux_loss_sum(scores, counts))
+        return out.view(shape)
+
+    def _aux_loss_sum(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """coeff * E * sum_e f_e * P_e (Switch Transformer), written as a sum over tokens so that
+        dividing by the global target count gives the same loss on every layout: f_e, the share
+        of routed slots that went to expert e, is counted over the micro-batch's tokens on all
+        data-parallel ranks (one small all-reduce), and P_e is each token's score for e."""
+        load = counts.float()
+        if self.stats_group is not None:
+            dist.all_reduce(load, group=self.stats_group)
+        share = (load / load.sum()).detach()
+        if self.args.score_func == "sigmoid":
+            scores = scores / scores.sum(-1, keepdim=True)
+        return self.args.aux_loss_coeff * self.args.num_experts * (scores * share).sum()
+
+
+def moe_layers(parts: list[nn.Module]) -> list[MoE]:
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """After an optimizer step: sum each layer's loads over the data-parallel batch, move the
+    selection bias by rate x sign(mean load - load), reset the counts. Every rank computes the
+    same update from the same summed loads, so biases agree on every layout. Returns the step's
+    load statistics (device tensors, no host sync) for the metrics."""
+    if not moes:
+        return {}
+    loads = torch.stack([m.tokens_per_expert for m in moes])  # [layers, experts]
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    mean = loads.mean(-1, keepdim=True)
+    for m, load, avg in zip(moes, loads, mean):
+        if m.args.bias_update_rate:
+            m.router.expert_bias += m.args.bias_update_rate * torch.sign(avg - load)
+        m.tokens_per_expert.zero_()
+    ratio = loads.max(-1).values / mean.squeeze(-1).clamp(min=1)
+    bias_norm = torch.stack([m.router.expert_bias.norm() for m in moes]).norm()
+    return {"moe_load_max_over_mean_worst": ratio.max(), "moe_load_max_over_mean_avg": ratio.mean(),
+            "moe_router_bias_norm": bias_norm}
+
+
+def post_step_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], dict[str, torch.Tensor]]]:
+    """ModelSpec.post_step_hooks for any family built on this layer: after each optimizer step,
+    sum the loads over the ranks holding different tokens (data x context parallel), move the
+    router biases, and hand back the load statistics to log."""
+    moes = moe_layers(parts)
+    dims = meshes.dims
+    group = meshes.dp_cp.get_group() if dims.dp * dims.cp > 1 else None
+    return [partial(update_router_bias, moes, group)] if moes else []

@@ -1,0 +1,76 @@
+"""Expert parallelism: each rank of an ep group holds num_experts / ep of every MoE layer's experts.
+
+Tokens are routed on the rank that holds them, sent to the rank holding their expert with one
+all-to-all (uneven splits), computed there with the grouped GEMM, and sent back with a second.
+Both are differentiable (backward is the reverse all-to-all), and both run on gloo.
+
+The split sizes must be on the host: each MoE layer exchanges its per-expert token counts
+(one small all-to-all) and copies them to the host once, together with the counts it sends,
+the only device-to-host copy the layer makes. Nothing else in the step waits on the device.
+
+Expert weights stay the stacked [num_experts, ...] tensors, as DTensors sharded on dim 0 over
+the ep mesh (so checkpoints hold the full, layout-independent stack), and are FSDP-sharded
+over the remaining data-parallel ranks (efsdp, and dp_replicate for HSDP).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from titanlite.moe import GroupedExperts, MoE
+
+
+def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
+    """x holds rows x cols chunks of `sizes` in row-major order; return them column-major."""
+    chunks = torch.split(x, sizes)
+    return torch.cat([chunks[r * cols + c] for c in range(cols) for r in range(rows)])
+
+
+def ep_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
+                ep: int) -> torch.Tensor:
+    """x: [N, dim] grouped by global expert id, counts[e] rows each. Runs every row on the rank
+    holding its expert and returns the results in x's order."""
+    n_local = counts.numel() // ep
+    # received[r, e]: rows rank r sends for this rank's local expert e
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    host = torch.cat([counts, received]).cpu()  # the layer's one device-to-host copy
+    sent, got = host[: counts.numel()].view(ep, n_local), host[counts.numel():].view(ep, n_local)
+    in_splits, out_splits = sent.sum(1).tolist(), got.sum(1).tolist()
+    y = all_to_all_single_autograd(x, out_splits, in_splits, group)
+    # arrives grouped by (source rank, local expert); the grouped GEMM wants (local expert, source)
+    y = _reorder(y, got.flatten().tolist(), ep, n_local)
+    y = experts(y, received.view(ep, n_local).sum(0), sizes=got.sum(0).tolist())
+    y = _reorder(y, got.t().flatten().tolist(), n_local, ep)
+    return all_to_all_single_autograd(y, in_splits, out_splits, group)
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over ep_mesh (dim 0) and route through all-to-all."""
+    ep = ep_mesh.size()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            moe.experts.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
+        moe.dispatch = partial(ep_dispatch, group=ep_mesh.get_group(), ep=ep)
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """FSDP-shard each MoE layer's experts on their own mesh (before the blocks are wrapped,
+    so the blocks' FSDP leaves them alone)."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        fully_shard(moe.experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def set_stats_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """The ranks over which MoE layers count loads for the auxiliary loss."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.stats_group = group
