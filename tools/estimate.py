@@ -9,42 +9,12 @@ family and layout that train.py runs, since it runs the same setup.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
-import torch
 
 from titanlite import config_load
-from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.parallel.mesh import ParallelDims
+from titanlite.dryrun import GIB, estimate, train_device
 from titanlite.steptrace import CATEGORIES
-
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Estimate:
-    categories: dict[str, float]
-    """Bytes per category live at the peak."""
-    total: float
-    """The per-rank peak in bytes (the largest over the traced roles)."""
-    phase: str
-    """The part of the step where the peak falls: forward, backward or optimizer."""
-
-
-def train_device(cfg: JobConfig) -> str:
-    t = cfg.training.device
-    return "cuda" if t == "cuda" or (t == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
-    from titanlite.dryrun import dry_run
-
-    result = dry_run(cfg, world_size, device=device or train_device(cfg), memory_only=True)
-    role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
-    peak = role.peaks[role.peak_phase]
-    return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims
-
 
 def _parse(argv: list[str]) -> tuple[int, list[str]]:
     ngpu, rest, i = 1, [], 0
