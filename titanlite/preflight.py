@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from titanlite.config import JobConfig
 from titanlite.data import probe_data
@@ -16,6 +17,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
+from titanlite.parallel.pipeline import StagePlan, plan_stages
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -30,6 +32,8 @@ class Plan:
     global_batch_size: int
     n_params: int
     """Parameters of the whole model (counted on meta, before any sharding or pipeline cut)."""
+    stages: StagePlan | None = None
+    """The pipeline stages (None without pipelining)."""
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -63,8 +67,22 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in spec.build(args).parameters())
-    return Plan(dims, spec, args, tokenizer, gbs, n_params)
+        model = spec.build(args)
+    stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
+    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
+
+
+def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:
+    """The stage plan, or the one-line reason the pipeline layout cannot run this model."""
+    shared = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name.split(".")[0])
+    if any(len(set(owners)) > 1 for owners in shared.values()):
+        raise ConfigError(f"model.flavor '{cfg.model.flavor}' ties weights across top-level modules "
+                          f"({', '.join(next(o for o in shared.values() if len(set(o)) > 1))}), which "
+                          "pipeline stages would hold apart; use an untied flavor or "
+                          "parallelism.pipeline_parallel_degree = 1")
+    return plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
 
 
 def check_writable(folder: str) -> None:

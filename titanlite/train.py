@@ -28,7 +28,7 @@ from titanlite.fault import Guard, enable_flight_recorder
 from titanlite.loss import build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.optim import build_optimizers
-from titanlite.parallel import context, float8
+from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
@@ -71,12 +71,18 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     dims = plan.dims
     meshes = dims.build_meshes(device.type)
     dtype = param_dtype(t.mixed_precision_param, device)
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    # a stage's parameters serve every micro-batch of the step: gathering them once pays
+    reshard = "never" if dims.pp > 1 and reshard == "default" else reshard
     opts = ParallelizeOptions(param_dtype=dtype, reduce_dtype=getattr(torch, t.mixed_precision_reduce),
-                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                              reshard_after_forward=reshard,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
                               loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
                               sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
-    parts = build_parts(plan, meshes, opts, device, t.seed)
+    if plan.stages is None:
+        parts = build_parts(plan, meshes, opts, device, t.seed)
+    else:
+        parts = pipeline.build_parts(plan.spec, plan.args, plan.stages, meshes, opts, device, t.seed)
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
     fused_optimizer = cfg.optimizer.implementation == "fused"
     dp_rank = meshes.dp.get_local_rank()
@@ -106,14 +112,22 @@ def train(cfg: JobConfig, plan: Plan) -> None:
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=dtype)
                 if dtype != torch.float32 and not dims.fsdp else contextlib.nullcontext())
-    train_step = PlainStep(parts[0], build_loss_fn(cfg.compile, opts.loss_parallel), opts.loss_parallel,
-                           cp_group, dtype, meshes.dp_cp.get_group(), autocast, guard.inject_loss)
+    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+    if plan.stages is None:
+        train_step = PlainStep(parts[0], loss_fn, opts.loss_parallel, cp_group, dtype, meshes.dp_cp.get_group(),
+                               autocast, guard.inject_loss)
+    else:
+        shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
+                                       t.seq_len, dims, opts)
+        train_step = pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
+                                           loss_fn, opts, cp_group, autocast, device, shapes, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     params = [p for part in parts for p in part.parameters()]
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
-                          t.local_batch_size, dp_rank, dims.dp, meshes.loss_group)
+                          t.local_batch_size, dp_rank, dims.dp, meshes.loss_group,
+                          meshes.dp_cp.get_group() if dims.pp > 1 else None)
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a loader micro-batch, on the device (training and validation)."""
