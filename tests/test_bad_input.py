@@ -124,6 +124,22 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                                        "checkpoint.folder: '/tmp' must be a relative path inside job.dump_folder"),
         "checkpoint_folder_escapes": (["--checkpoint.folder", "../elsewhere"], {}, "checkpoint.folder: '../elsewhere'"),
         "checkpoint_on_save_error": (["--checkpoint.on_save_error", "retry"], {}, "checkpoint.on_save_error: 'retry'"),
+        # pipeline layouts (debugmodel: 4 blocks, local batch 8)
+        "pp_above_blocks": (["--parallelism.pipeline_parallel_degree", "8"], {"NGPU": "8"},
+                            "parallelism.pipeline_parallel_degree 8 exceeds the model's 4 blocks"),
+        "pp_schedule_unknown": (["--parallelism.pipeline_parallel_schedule", "Zigzag"], {},
+                                "parallelism.pipeline_parallel_schedule: unknown schedule 'Zigzag'; use one of GPipe"),
+        "pp_microbatch_indivisible": (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
+                                       "--parallelism.pipeline_parallel_microbatch_size", "3"], {"NGPU": "2"},
+                                      "parallelism.pipeline_parallel_microbatch_size 3 does not divide"),
+        "pp_too_few_microbatches": (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                     "--parallelism.pipeline_parallel_microbatch_size", "4"], {"NGPU": "2"},
+                                    "1F1B needs at least as many micro-batches as stages (2), got 1"),
+        "pp_stages_unplaceable": (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                                   "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage", "2"],
+                                  {"NGPU": "2"}, "makes 3 stages; ZBVZeroBubble on 2 pipeline ranks needs exactly 4"),
+        "pp_tied_embeddings": (["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_tied"],
+                               {"NGPU": "2"}, "model.flavor 'debugmodel_tied' ties weights across top-level modules"),
         "dump_folder_under_file": (["--job.dump_folder", f["a_file.txt"] + "/out"], {}, "job.dump_folder: cannot write to"),
     }
 

@@ -17,7 +17,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import StagePlan, plan_stages
+from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -68,6 +68,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     with torch.device("meta"):
         model = spec.build(args)
+    check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
     return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
 

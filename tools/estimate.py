@@ -82,24 +82,52 @@ def block_activation_elems(args, mode: str, selective_every: int, selective_type
 
 
 def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
+    """The peak of the busiest rank: with pipeline stages, each pipeline rank is estimated for
+    the blocks it holds and the micro-batches its schedule keeps in flight, and the largest wins."""
     from titanlite.preflight import preflight
 
     plan = preflight(cfg, world_size)
+    if plan.stages is None:
+        with torch.device("meta"):
+            return _estimate(cfg, plan, [plan.spec.build(plan.args)], cfg.training.local_batch_size), plan.dims
+    from titanlite.parallel.pipeline import cut
+
+    st, pp = plan.stages, plan.dims.pp
+    # GPipe-like schedules run every forward before any backward; the others keep at most
+    # about one micro-batch per pipeline rank in flight (the first rank the most)
+    flight = st.n_microbatches if cfg.parallelism.pipeline_parallel_schedule in ("GPipe", "LoopedBFS") \
+        else min(st.n_microbatches, pp)
+    rows = cfg.parallelism.pipeline_parallel_microbatch_size * flight
+    estimates = []
+    for r in range(pp):
+        with torch.device("meta"):
+            parts = [cut(plan.spec.build(plan.args), plan.spec, *st.blocks[s], s == 0, s == st.n_stages - 1)
+                     for s in st.stages_of(r, pp)]
+        estimates.append(_estimate(cfg, plan, parts, rows))
+    return max(estimates, key=lambda e: e.total), plan.dims
+
+
+def _estimate(cfg: JobConfig, plan, parts: list, rows: int) -> Estimate:
+    """One rank holding `parts` (the whole model, or its pipeline stages), with `rows` samples'
+    activations alive at once."""
     dims, args, t, ac = plan.dims, plan.args, cfg.training, cfg.activation_checkpoint
+    params = [(n, p) for part in parts for n, p in part.named_parameters()]
+    local = sum(_local_numel(p, dims) for _, p in params)
     with torch.device("meta"):
-        model = plan.spec.build(args)
-    local = sum(_local_numel(p, dims) for p in model.parameters())
-    full_block = sum(p.numel() for p in model.layers["0"].parameters())
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+        full_block = sum(p.numel() for p in getattr(plan.spec.build(args), plan.spec.blocks)["0"].parameters())
+    spec = plan.spec
+    root = sum(p.numel() for n, p in params if not n.startswith(spec.blocks + "."))
+    held = sum(len(getattr(part, spec.blocks)) for part in parts) / args.n_layers  # share of the blocks here
+    has_output = any(not isinstance(getattr(part, spec.post[-1]), torch.nn.Identity) for part in parts)
 
     device = "cuda" if (t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())) else "cpu"
     low = t.mixed_precision_param == "bfloat16" or (t.mixed_precision_param == "auto" and device == "cuda")
     act_b = 2 if low else 4
-    tokens = t.local_batch_size * t.seq_len / dims.cp
+    tokens = rows * t.seq_len / dims.cp
     v, d = args.vocab_size / dims.tp, args.dim
-    blocks = block_activation_elems(args, ac.mode, ac.selective_every, ac.selective_type) / dims.tp
+    blocks = held * block_activation_elems(args, ac.mode, ac.selective_every, ac.selective_type) / dims.tp
     # outside the blocks: final norm in/out (2D); logits, their fp32 copy under bf16, and log-softmax
-    logits = v * (act_b + (4 if low else 0) + 4)
+    logits = v * (act_b + (4 if low else 0) + 4) if has_output else 0.0
     activations = tokens * ((blocks + 2 * d) * act_b + logits)
 
     # backward starts with the logit gradient and, if the last block is checkpointed, its
@@ -111,18 +139,20 @@ def estimate(cfg: JobConfig, world_size: int) -> tuple[Estimate, ParallelDims]:
         recompute = none - d if (n - 1) % ac.selective_every == 0 else 0.0
     elif ac.mode == "selective":
         recompute = none - block_activation_elems(args, "selective", 1, "op") / n
-    backward = tokens * (4 * v + recompute * act_b / dims.tp)
+    backward = tokens * ((4 * v if has_output else 0.0) + recompute * act_b / dims.tp)
     if dims.fsdp:
         # the unsharded root and, while the prefetched block is copied out of its all-gather
         # buffer, three blocks' worth of unsharded parameters in the compute dtype; a block's
         # gradient reduce-scatter buffers come later, once its activations are freed
-        backward += act_b * (root + 3 * full_block) / dims.tp
+        # (pipeline stages keep all their blocks gathered from forward to backward)
+        gathered = held * args.n_layers if plan.stages is not None else 3
+        backward += act_b * (root + gathered * full_block) / dims.tp
     reduce = 4 * 2 * root / dims.tp if dims.fsdp else 0.0
     # foreach AdamW keeps one parameter-sized temporary (sqrt of the second moment)
     step = 4 * local if cfg.optimizer.implementation == "foreach" else 0.0
     e = Estimate(parameters=4 * local, gradients=4 * local, optimizer=8 * local, activations=activations,
                  backward_buffers=backward, reduce_buffers=reduce, step_buffers=step)
-    return e, dims
+    return e
 
 
 def _parse(argv: list[str]) -> tuple[int, list[str]]:

@@ -80,12 +80,17 @@ def split_blocks(n_blocks: int, n_stages: int, first_less: int, last_less: int) 
     return counts
 
 
+def check_schedule_name(name: str) -> None:
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule '{name}'; "
+                          f"use one of {', '.join(SCHEDULES)}")
+
+
 def plan_stages(cfg: Parallelism, n_blocks: int, local_batch_size: int) -> StagePlan:
     """Stage count and block ranges, or a ConfigError naming the key to change."""
     pp, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
     key = "parallelism.pipeline_parallel_"
-    if name not in SCHEDULES:
-        raise ConfigError(f"{key}schedule: unknown schedule '{name}'; use one of {', '.join(SCHEDULES)}")
+    check_schedule_name(name)
     mbs = cfg.pipeline_parallel_microbatch_size
     if mbs < 1 or local_batch_size % mbs:
         raise ConfigError(f"{key}microbatch_size {mbs} does not divide training.local_batch_size "
@@ -213,6 +218,10 @@ class PipelineStep:
     """Fault injection for tests (titanlite.fault.Guard.inject_loss), on the last stage's losses."""
 
     def __post_init__(self) -> None:
+        if self.opts.compile.enable and self.schedule_name in SPLIT_BACKWARD:
+            # their weight-gradient pass reuses the graph the input-gradient pass kept, which a
+            # compiled backward refuses while it donates its buffers
+            torch._functorch.config.donated_buffer = False
         ids = self.plan.stages_of(self.meshes.pp.get_local_rank(), self.meshes.dims.pp)
         self.is_first, self.is_last = 0 in ids, self.plan.n_stages - 1 in ids
         self.stages = [self._stage(part, s) for part, s in zip(self.parts, ids)]
@@ -247,7 +256,10 @@ class PipelineStep:
     def _inputs(self, batch: Batch) -> tuple[tuple, dict]:
         """Positional inputs (the first stage's tokens) and the keyword tensors every stage gets,
         [batch, ...] so the schedule can cut them into micro-batches."""
-        rows = batch["input_ids"].shape[0]
+        rows, seq = batch["input_ids"].shape
+        # explicit positions: a later stage sees hidden states, sequence-sharded under sequence
+        # parallel, whose length is not the sequence's
+        batch = {"positions": torch.arange(seq, device=batch["input_ids"].device)[None], **batch}
         kwargs = {k: batch[k].expand(rows, -1) for k in ("positions", "document_ids") if k in batch}
         return ((batch["input_ids"],) if self.is_first else ()), kwargs
 
