@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -25,15 +26,16 @@ from titanlite.model_spec import get_model_spec, model_args
 from titanlite import init
 from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
-from titanlite.parallel.grad_norm import reduce_partial_grads
+from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "") -> None:
     init_process_group(torch.device("cpu"), 120)
     dims = ParallelDims(1, dp_shard, 1, tp, pp)
     meshes = dims.build_meshes("cpu")
+    name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
-    args = model_args(spec, "debugmodel", 0, 32)
+    args = model_args(spec, flavor or "debugmodel", 0, 32)
     tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
@@ -48,12 +50,13 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
     if pp > 1:
         cfg = Parallelism(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
                           pipeline_parallel_microbatch_size=1)
-        plan = pipeline.plan_stages(cfg, args.n_layers, rows)
+        plan = dataclasses.replace(pipeline.plan_stages(cfg, args.n_layers, rows), tied=pipeline.tied_names(ref))
         parts = pipeline.build_parts(spec, args, plan, meshes, opts, torch.device("cpu"), 0)
         shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
         step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, None,
                                      contextlib.nullcontext(), torch.device("cpu"), shapes)
         step([{"input_ids": inputs[mine], "labels": labels[mine]}])
+        mirrors = step.mirrors
     else:
         with torch.device("meta"):
             parts = [spec.build(args)]
@@ -61,14 +64,21 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         init.materialize(parts[0], torch.device("cpu"), 0)
         with loss_context(opts.loss_parallel):
             cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(labels.numel()).backward()
+        mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])
 
     worst = {}
-    expected = dict(ref.named_parameters())
+    expected = dict(ref.named_parameters(remove_duplicate=False))
     for pname, p in ((n, p) for part in parts for n, p in part.named_parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = expected[pname.replace("_checkpoint_wrapped_module.", "")].grad
         worst[pname] = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    # the global gradient norm, each shard counted once among the ranks of a stage
+    sq = local_grad_sq([p for part in parts for p in part.parameters() if all(p is not m for m in mirrors)],
+                       meshes.stage_ranks)
+    dist.all_reduce(sq)
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    worst["grad_norm"] = (abs(sq.sqrt() - want_norm) / want_norm).item()
     bad = {k: v for k, v in worst.items() if v > 1e-5}
     print(f"rank {dist.get_rank()}: {len(worst)} gradients, worst relative diff {max(worst.values()):.2e}"
           + (f"; MISMATCH {bad}" if bad else ""), flush=True)

@@ -138,8 +138,6 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "pp_stages_unplaceable": (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                                    "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage", "2"],
                                   {"NGPU": "2"}, "makes 3 stages; ZBVZeroBubble on 2 pipeline ranks needs exactly 4"),
-        "pp_tied_embeddings": (["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_tied"],
-                               {"NGPU": "2"}, "model.flavor 'debugmodel_tied' ties weights across top-level modules"),
         "dump_folder_under_file": (["--job.dump_folder", f["a_file.txt"] + "/out"], {}, "job.dump_folder: cannot write to"),
     }
 

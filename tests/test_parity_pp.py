@@ -21,7 +21,6 @@ def pp(degree: int, schedule: str, microbatch: int, local: int) -> list[str]:
 
 def assert_matches(ref, run) -> None:
     assert_parity(ref.losses, run.losses)
-    assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
     assert [s for s, _ in run.val_losses] == [5, 10]
     for (_, a), (_, b) in zip(ref.val_losses, run.val_losses):
         assert abs(a - b) / a < 1e-6, (ref.val_losses, run.val_losses)
@@ -54,13 +53,17 @@ def test_pp2_cp2_with_document_masking():
     assert_matches(ref, train(4, [*docs, *pp(2, "GPipe", 2, 8), "--parallelism.context_parallel_degree", "2"]))
 
 
-def test_pp2_qwen3():
+def test_pp2_qwen3_tied_embeddings():
+    # the Qwen3 debug model ties its embedding to the output layer: two copies, first and last stage
     qwen = [*BASE, "--model.name", "qwen3"]
     ref = reference([*qwen, "--training.local_batch_size", "8"])
     assert_matches(ref, train(2, [*qwen, *pp(2, "DualPipeV", 2, 8)]))
 
 
-@pytest.mark.parametrize("nproc,args", [(4, ["2", "1", "2", "ZBVZeroBubble"]), (4, ["2", "2", "1", "1F1B"])],
-                         ids=["pp2-tp2-zbv", "pp2-dp2-1f1b"])
-def test_pp_gradients_match_unsharded(nproc, args):
-    assert_grad_parity("llama3", nproc, ["pp", *args])
+@pytest.mark.parametrize("nproc,model,args", [
+    (4, "llama3", ["2", "1", "2", "ZBVZeroBubble"]),
+    (4, "llama3/debugmodel_tied", ["2", "2", "1", "1F1B"]),  # tied copies on pp ranks 0 and 1
+    (2, "qwen3", ["2", "1", "1", "ZBVZeroBubble"]),  # tied copies both on pp rank 0 (V)
+], ids=["pp2-tp2-zbv", "pp2-dp2-1f1b-tied", "pp2-zbv-qwen3-tied"])
+def test_pp_gradients_and_norm_match_unsharded(nproc, model, args):
+    assert_grad_parity(model, nproc, ["pp", *args])

@@ -76,7 +76,8 @@ class Parallelism:
     context_parallel_degree: int = 1
     """Context parallel degree (sequence sharding across ranks)."""
     fsdp_reshard_after_forward: str = "default"
-    """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+    """default (reshard all but the root; never under pipeline parallelism, where a stage's
+    parameters serve every micro-batch), always, or never (ZeRO-2 style)."""
     loss_parallel: bool = True
     """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
     gathering them on every rank; no effect when tensor_parallel_degree is 1."""

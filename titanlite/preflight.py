@@ -3,6 +3,7 @@ in one line, on every rank (and once, before launch, through `python -m titanlit
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages
+from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages, tied_names
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -75,15 +76,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
 
 def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:
     """The stage plan, or the one-line reason the pipeline layout cannot run this model."""
-    shared = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        shared.setdefault(id(p), []).append(name.split(".")[0])
-    if any(len(set(owners)) > 1 for owners in shared.values()):
-        raise ConfigError(f"model.flavor '{cfg.model.flavor}' ties weights across top-level modules "
-                          f"({', '.join(next(o for o in shared.values() if len(set(o)) > 1))}), which "
-                          "pipeline stages would hold apart; use an untied flavor or "
-                          "parallelism.pipeline_parallel_degree = 1")
-    return plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
+    stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
+    return dataclasses.replace(stages, tied=tied_names(model))
 
 
 def check_writable(folder: str) -> None:

@@ -123,6 +123,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
                                            loss_fn, opts, cp_group, autocast, device, shapes, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     params = [p for part in parts for p in part.parameters()]
+    norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
@@ -147,7 +148,7 @@ def train(cfg: JobConfig, plan: Plan) -> None:
         reduce_partial_grads(params)
         logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
         # the host reads a step's verdict late unless it syncs anyway (log, save) or must
-        grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(params, meshes.stage_ranks),
+        grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(norm_params, meshes.stage_ranks),
                                         read_now=logs or ckpt.due(step) or not fused_optimizer)
         if t.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, grad_norm, foreach=True)

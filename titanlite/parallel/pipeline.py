@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
@@ -54,6 +55,8 @@ class StagePlan:
     style: str
     """"loop" or "v"."""
     n_microbatches: int
+    tied: tuple[tuple[str, ...], ...] = ()
+    """Names of each weight the whole model shares between modules (a tied embedding)."""
 
     def stages_of(self, pp_rank: int, pp: int) -> list[int]:
         if self.style == "v":
@@ -130,6 +133,14 @@ def plan_stages(cfg: Parallelism, n_blocks: int, local_batch_size: int) -> Stage
     starts = [sum(counts[:i]) for i in range(n_stages)]
     return StagePlan(n_stages, tuple((s, s + c) for s, c in zip(starts, counts)),
                      "v" if name in V_SCHEDULES else "loop", n_mb)
+
+
+def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of each parameter the model shares between modules (a tied embedding)."""
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return tuple(tuple(names) for names in shared.values() if len(names) > 1)
 
 
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
@@ -226,6 +237,7 @@ class PipelineStep:
         self.is_first, self.is_last = 0 in ids, self.plan.n_stages - 1 in ids
         self.stages = [self._stage(part, s) for part, s in zip(self.parts, ids)]
         self.schedule = self._schedule()
+        self._tie(ids)
         self._sums: list[torch.Tensor] = []
         self._n_targets: torch.Tensor | None = None
 
@@ -241,6 +253,39 @@ class PipelineStep:
             lambda pos, docs: AttnContext(pos, docs, self.cp_group, self.opts.param_dtype)), with_kwargs=True)
         return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
                              group=self.meshes.pp.get_group())
+
+    def _tie(self, ids: list[int]) -> None:
+        """Tied weights (an embedding shared with the output layer) live on the first and the
+        last stage as two copies that start equal; their gradients are summed after each step,
+        so the same optimizer update keeps them equal. `mirrors` are the copies past the first
+        stage, which the gradient norm must not count again. Both copies have one layout (the
+        stages share dp, cp and tp), so the local shards add up."""
+        self.copies = [[part.get_parameter(n) for part in self.parts for n in names
+                        if n in dict(part.named_parameters())] for names in self.plan.tied]
+        first = self.parts[ids.index(0)] if 0 in ids else None
+        self.mirrors = tuple(p for copies in self.copies for p in copies
+                             if first is None or all(p is not q for q in first.parameters()))
+        # first and last stage on different ranks (loop placement): one group per pair, made by
+        # every rank in the same order; under a V both sit on pp rank 0 and add up locally
+        self.tie_group = None
+        if self.plan.tied and self.plan.style == "loop":
+            per = dist.get_world_size() // self.meshes.dims.pp
+            for c in range(per):
+                group = dist.new_group([c, (self.meshes.dims.pp - 1) * per + c])
+                if dist.get_rank() % per == c:
+                    self.tie_group = group
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        for copies in self.copies:
+            if not copies:
+                continue
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+            total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+            if self.tie_group is not None:
+                dist.all_reduce(total, group=self.tie_group)
+            for g in local:
+                g.copy_(total)
 
     def _schedule(self) -> PipelineScheduleSingle | PipelineScheduleMulti:
         cls = get_schedule_class(self.schedule_name)
@@ -272,6 +317,7 @@ class PipelineStep:
                 with loss_context(self.opts.loss_parallel), self.autocast:
                     self.schedule.step(*args, target=batch["labels"] if self.is_last else None,
                                        return_outputs=False, **kwargs)
+        self._sum_tied_grads()
         zero = torch.zeros((), device=self._n_targets.device)
         return StepOutput(torch.stack(self._sums).sum() if self._sums else zero, self._n_targets, extra)
 
