@@ -30,13 +30,14 @@ class ParallelDims:
                          cfg.data_parallel_shard_degree, cfg.context_parallel_degree, cfg.tensor_parallel_degree)
         if p < 1:
             raise ConfigError(f"parallelism.pipeline_parallel_degree must be >= 1, got {p}")
+        pp = f"pp {p} x " if p > 1 else ""
         if s == -1:
             if world_size % (p * r * c * t):
-                raise ConfigError(f"world size {world_size} is not divisible by pp {p} x dp_replicate {r} x "
+                raise ConfigError(f"world size {world_size} is not divisible by {pp}dp_replicate {r} x "
                                   f"cp {c} x tp {t} = {p * r * c * t}; change the parallelism degrees or NGPU")
             s = world_size // (p * r * c * t)
         if p * r * s * c * t != world_size:
-            raise ConfigError(f"parallelism degrees pp {p} x dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
+            raise ConfigError(f"parallelism degrees {pp}dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
                               f"{p * r * s * c * t} differ from the world size {world_size}; "
                               "make their product equal the number of ranks")
         return ParallelDims(r, s, c, t, p)
