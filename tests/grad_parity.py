@@ -1,7 +1,9 @@
 """Per-parameter gradient parity of one parallelized step against the same model unsharded.
 
 Run under torchrun: `python -m torch.distributed.run --nproc_per_node N tests/grad_parity.py
-MODEL DP_SHARD TP [nosp] [ep=N]` (nosp: tensor parallel without sequence parallel; ep=N: expert parallel). Every rank builds the single-device model too and compares each full
+MODEL DP_SHARD TP [nosp] [ep=N]` (nosp: tensor parallel without sequence parallel; ep=N: expert
+parallel), or `... grad_parity.py MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank
+builds the single-device model too and compares each full
 gradient; loss-curve parity alone can miss a small parameter whose gradient is never
 reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
@@ -9,6 +11,8 @@ reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 from __future__ import annotations
 
 
+import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -16,21 +20,24 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanlite.attention import AttnContext
-from titanlite.config import ActivationCheckpoint, Compile
+from titanlite.config import ActivationCheckpoint, Compile, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, loss_context
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite import init
+from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
-from titanlite.parallel.grad_norm import reduce_partial_grads
+from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 
 
-def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, ep: int = 1) -> None:
+def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
+         ep: int = 1) -> None:
     init_process_group(torch.device("cpu"), 120)
-    dims = ParallelDims(1, dp_shard, 1, tp, ep)
+    dims = ParallelDims(1, dp_shard, 1, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
+    name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
-    args = model_args(spec, "debugmodel", 0, 32)
+    args = model_args(spec, flavor or "debugmodel", 0, 32)
     tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
@@ -38,24 +45,46 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, ep: int = 1
     ref.init_weights(0)
     cross_entropy_sum(ref(inputs), labels).div(labels.numel()).backward()
 
-    with torch.device("meta"):
-        model = spec.build(args)
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
-    parallelize(model, spec, meshes, opts)
-    init.materialize(model, torch.device("cpu"), 0)
     rows = inputs.shape[0] // dp_shard
     mine = slice(meshes.dp.get_local_rank() * rows, (meshes.dp.get_local_rank() + 1) * rows)
-    with loss_context(opts.loss_parallel):
-        cross_entropy_sum(model(inputs[mine], AttnContext()), labels[mine]).div(labels.numel()).backward()
-    reduce_partial_grads(list(model.parameters()))
+    if pp > 1:
+        cfg = Parallelism(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
+                          pipeline_parallel_microbatch_size=1)
+        plan = dataclasses.replace(pipeline.plan_stages(cfg, args.n_layers, rows), tied=pipeline.tied_names(ref))
+        with torch.device("meta"):
+            parts = pipeline.stage_modules(spec, args, plan, meshes)
+        for part in parts:
+            parallelize(part, spec, meshes, opts)
+            init.materialize(part, torch.device("cpu"), 0)
+        shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
+        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, None,
+                                     contextlib.nullcontext(), torch.device("cpu"), shapes)
+        step([{"input_ids": inputs[mine], "labels": labels[mine]}])
+        mirrors = step.mirrors
+    else:
+        with torch.device("meta"):
+            parts = [spec.build(args)]
+        parallelize(parts[0], spec, meshes, opts)
+        init.materialize(parts[0], torch.device("cpu"), 0)
+        with loss_context(opts.loss_parallel):
+            cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(labels.numel()).backward()
+        mirrors = ()
+    reduce_partial_grads([p for part in parts for p in part.parameters()])
 
     worst = {}
-    expected = dict(ref.named_parameters())
-    for pname, p in model.named_parameters():
+    expected = dict(ref.named_parameters(remove_duplicate=False))
+    for pname, p in ((n, p) for part in parts for n, p in part.named_parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = expected[pname.replace("_checkpoint_wrapped_module.", "")].grad
         worst[pname] = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    # the global gradient norm, each shard counted once among the ranks of a stage
+    sq = local_grad_sq([p for part in parts for p in part.parameters() if all(p is not m for m in mirrors)],
+                       meshes.stage_ranks)
+    dist.all_reduce(sq)
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    worst["grad_norm"] = (abs(sq.sqrt() - want_norm) / want_norm).item()
     bad = {k: v for k, v in worst.items() if v > 1e-5}
     print(f"rank {dist.get_rank()}: {len(worst)} gradients, worst relative diff {max(worst.values()):.2e}"
           + (f"; MISMATCH {bad}" if bad else ""), flush=True)
@@ -66,6 +95,9 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, ep: int = 1
 
 
 if __name__ == "__main__":
-    flags = sys.argv[4:]
-    ep = next((int(f.removeprefix("ep=")) for f in flags if f.startswith("ep=")), 1)
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep)
+    if sys.argv[2] == "pp":
+        main(sys.argv[1], int(sys.argv[4]), int(sys.argv[5]), True, int(sys.argv[3]), sys.argv[6])
+    else:
+        flags = sys.argv[4:]
+        ep = next((int(f.removeprefix("ep=")) for f in flags if f.startswith("ep=")), 1)
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep=ep)

@@ -83,7 +83,8 @@ class Parallelism:
     """Expert parallel degree for MoE models: experts split over this many ranks, taken from
     data_parallel_shard_degree x context_parallel_degree (it must divide that product)."""
     fsdp_reshard_after_forward: str = "default"
-    """default (reshard all but the root), always, or never (ZeRO-2 style)."""
+    """default (reshard all but the root; never under pipeline parallelism, where a stage's
+    parameters serve every micro-batch), always, or never (ZeRO-2 style)."""
     loss_parallel: bool = True
     """With tensor parallelism, compute the cross-entropy on vocab-sharded logits instead of
     gathering them on every rank; no effect when tensor_parallel_degree is 1."""
@@ -91,6 +92,21 @@ class Parallelism:
     """With tensor parallelism, also shard the sequence between blocks (norms, residual
     stream), cutting activation memory by the degree; needs training.seq_len divisible by
     the degree. Off keeps whole sequences on every tensor-parallel rank."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages' ranks (outermost mesh dimension); 1 turns pipelining off."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """A torch.distributed.pipelining schedule: GPipe, 1F1B (one stage per rank), Interleaved1F1B,
+    LoopedBFS, InterleavedZeroBubble (stages looped over the ranks), ZBVZeroBubble, DualPipeV
+    (two stages per rank in a V)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per pipeline micro-batch; the local batch is cut into local_batch_size / this many."""
+    pipeline_parallel_layers_per_stage: int = 0
+    """Blocks per stage, counting the embedding and the output layer as first/last_stage_less_layers
+    blocks each; sets the stage count. 0: one stage per rank (two for multi-stage schedules)."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """The first stage gets this many fewer blocks than the others, for its embedding."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """The last stage gets this many fewer blocks than the others, for its norm and output layer."""
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,8 @@ def check_config(cfg: JobConfig) -> None:
                      ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
                      ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
                      ("parallelism.context_parallel_degree", p.context_parallel_degree),
+                     ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
+                     ("parallelism.pipeline_parallel_microbatch_size", p.pipeline_parallel_microbatch_size),
                      ("parallelism.expert_parallel_degree", p.expert_parallel_degree),
                      ("activation_checkpoint.selective_every", cfg.activation_checkpoint.selective_every),
                      ("comm.init_timeout_s", cfg.comm.init_timeout_s),

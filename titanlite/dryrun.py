@@ -104,7 +104,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             part.to_empty(device="cpu")
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
-        step = build_step(cfg, plan, parts, meshes, opts, "cpu")
+        step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
         params = [p for part in parts for p in part.parameters()]
         # trace a steady-state step: AdamW creates its moments in the first step

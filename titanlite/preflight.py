@@ -3,12 +3,14 @@ in one line, on every rank (and once, before launch, through `python -m titanlit
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titanlite.checkpoint import check_shapes, read_info, read_metadata, resume_step, saved_shapes
@@ -20,6 +22,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
+from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages, tied_names
 from titanlite.tokenizer import Tokenizer, build_tokenizer
 from titanlite.validation import preflight_data
 
@@ -35,6 +38,8 @@ class Plan:
     global_batch_size: int
     n_params: int
     """Parameters of the whole model (counted on meta, before any sharding or pipeline cut)."""
+    stages: StagePlan | None = None
+    """The pipeline stages (None without pipelining)."""
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -75,8 +80,16 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
     preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in spec.build(args).parameters())
-    return Plan(dims, spec, args, tokenizer, gbs, n_params)
+        model = spec.build(args)
+    check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
+    stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
+    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
+
+
+def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:
+    """The stage plan, or the one-line reason the pipeline layout cannot run this model."""
+    stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
+    return dataclasses.replace(stages, tied=tied_names(model))
 
 
 def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:

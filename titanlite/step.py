@@ -58,6 +58,9 @@ class PlainStep:
     autocast: contextlib.AbstractContextManager
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
     """Fault injection for tests (titanlite.fault.Guard.inject_loss)."""
+    mirrors: tuple[nn.Parameter, ...] = ()
+    """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
+    gradient norm counts them once, through the original."""
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
         ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), self.cp_group, self.param_dtype)

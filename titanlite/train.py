@@ -29,7 +29,7 @@ from titanlite.launch import last_word
 from titanlite.loss import build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.optim import build_optimizers, by_mesh, warmup_note
-from titanlite.parallel import context, float8
+from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
@@ -40,8 +40,11 @@ from titanlite.validation import Validator
 
 
 def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    # a stage's parameters serve every micro-batch of the step: gathering them once pays
+    reshard = "never" if dims.pp > 1 and reshard == "default" else reshard
     return ParallelizeOptions(param_dtype=dtype, reduce_dtype=getattr(torch, cfg.training.mixed_precision_reduce),
-                              reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+                              reshard_after_forward=reshard,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
                               loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
                               sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
@@ -52,8 +55,10 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: to
     """This rank's model parts, parallelized and initialised (one part: the whole model).
     With no device they stay on meta, uninitialised (the dry run fills them with fake tensors)."""
     with torch.device("meta"):
-        model = plan.spec.build(plan.args)
-    parts = [model]
+        if plan.stages is None:
+            parts = [plan.spec.build(plan.args)]
+        else:
+            parts = pipeline.stage_modules(plan.spec, plan.args, plan.stages, meshes)
     for part in parts:
         parallelize(part, plan.spec, meshes, opts)
         if device is not None:
@@ -63,14 +68,20 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: to
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device_type: str, inject=lambda loss: loss) -> PlainStep:
+               device: torch.device, inject=lambda loss: loss) -> PlainStep | pipeline.PipelineStep:
     """The step object for this layout (train.py and the dry run pick it the same way)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
-    autocast = (torch.autocast(device_type, dtype=opts.param_dtype)
+    autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp_group = meshes.cp.get_group() if plan.dims.cp > 1 else None
-    return PlainStep(parts[0], build_loss_fn(cfg.compile, opts.loss_parallel), opts.loss_parallel,
-                     cp_group, opts.param_dtype, meshes.dp_cp.get_group(), autocast, inject)
+    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+    if plan.stages is None:
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, cp_group, opts.param_dtype,
+                         meshes.dp_cp.get_group(), autocast, inject)
+    shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
+                                   cfg.training.seq_len, plan.dims, opts)
+    return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
+                                 loss_fn, opts, cp_group, autocast, device, shapes, inject)
 
 
 def run_hooks(hooks: list) -> dict[str, torch.Tensor]:
@@ -125,13 +136,15 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     peak_flops = device_peak_flops(device)
     stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
-    train_step = build_step(cfg, plan, parts, meshes, opts, device.type, guard.inject_loss)
+    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     params = [p for part in parts for p in part.parameters()]
+    norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
-                          t.local_batch_size, dp_rank, dims.dp, meshes.loss_group)
+                          t.local_batch_size, dp_rank, dims.dp, meshes.loss_group,
+                          meshes.dp_cp.get_group() if dims.pp > 1 else None)
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of a loader micro-batch, on the device (training and validation)."""
@@ -151,7 +164,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         reduce_partial_grads(params)
         logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
         # the host reads a step's verdict late unless it syncs anyway (log, save) or must
-        grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(params, meshes.stage_ranks),
+        grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(norm_params, meshes.stage_ranks),
                                         read_now=logs or ckpt.due(step) or not fused_optimizer)
         if t.max_norm > 0:
             for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op

@@ -66,6 +66,9 @@ class Validator:
     dp_rank: int
     dp_degree: int
     group: dist.ProcessGroup | None
+    target_group: dist.ProcessGroup | None = None
+    """Where target counts add up, if not `group`: under pipelining the loss sums come from the
+    last stage's ranks but every stage counts the same targets."""
 
     def __post_init__(self) -> None:
         # Built up front so a bad validation source fails before training starts
@@ -103,5 +106,9 @@ class Validator:
                 totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
         for part in parts:
             part.train()
-        dist.all_reduce(totals, group=self.group)
+        if self.target_group is None:
+            dist.all_reduce(totals, group=self.group)
+        else:
+            dist.all_reduce(totals[:1], group=self.group)
+            dist.all_reduce(totals[1:], group=self.target_group)
         return (totals[0] / totals[1]).item()

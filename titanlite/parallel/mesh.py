@@ -1,4 +1,4 @@
-"""Process group, device and the one DeviceMesh over [dp_replicate, dp_shard, cp, tp], with its named views."""
+"""Process group, device and the one DeviceMesh over [pp, dp_replicate, dp_shard, cp, tp], with its named views."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titanlite.config import Parallelism
 from titanlite.errors import ConfigError
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -22,27 +22,31 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    pp: int = 1
     ep: int = 1
     """Expert parallel: experts split over ep ranks taken from dp_shard x cp."""
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
-        r, s, c, t = (cfg.data_parallel_replicate_degree, cfg.data_parallel_shard_degree,
-                      cfg.context_parallel_degree, cfg.tensor_parallel_degree)
+        p, r, s, c, t = (cfg.pipeline_parallel_degree, cfg.data_parallel_replicate_degree,
+                         cfg.data_parallel_shard_degree, cfg.context_parallel_degree, cfg.tensor_parallel_degree)
+        if p < 1:
+            raise ConfigError(f"parallelism.pipeline_parallel_degree must be >= 1, got {p}")
+        pp = f"pp {p} x " if p > 1 else ""
         if s == -1:
-            if world_size % (r * c * t):
-                raise ConfigError(f"world size {world_size} is not divisible by dp_replicate {r} x cp {c} "
-                                  f"x tp {t} = {r * c * t}; change the parallelism degrees or NGPU")
-            s = world_size // (r * c * t)
-        if r * s * c * t != world_size:
-            raise ConfigError(f"parallelism degrees dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
-                              f"{r * s * c * t} differ from the world size {world_size}; "
+            if world_size % (p * r * c * t):
+                raise ConfigError(f"world size {world_size} is not divisible by {pp}dp_replicate {r} x "
+                                  f"cp {c} x tp {t} = {p * r * c * t}; change the parallelism degrees or NGPU")
+            s = world_size // (p * r * c * t)
+        if p * r * s * c * t != world_size:
+            raise ConfigError(f"parallelism degrees {pp}dp_replicate {r} x dp_shard {s} x cp {c} x tp {t} = "
+                              f"{p * r * s * c * t} differ from the world size {world_size}; "
                               "make their product equal the number of ranks")
         e = cfg.expert_parallel_degree
         if e < 1 or (s * c) % e:
             raise ConfigError(f"parallelism.expert_parallel_degree {e} must divide data_parallel_shard_degree {s} "
                               f"x context_parallel_degree {c} = {s * c} (expert parallel takes its ranks from them)")
-        return ParallelDims(r, s, c, t, e)
+        return ParallelDims(r, s, c, t, pp=p, ep=e)
 
     @property
     def dp(self) -> int:
@@ -54,35 +58,40 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
     def build_meshes(self, device_type: str) -> "Meshes":
-        world = init_device_mesh(device_type, (self.dp_replicate * self.dp_shard * self.cp * self.tp,),
+        p = self.pp
+        world = init_device_mesh(device_type, (p * self.dp_replicate * self.dp_shard * self.cp * self.tp,),
                                  mesh_dim_names=("world",))
-        # Views of one world mesh in row-major [dp_replicate, dp_shard, cp, tp] order, so a
-        # rank has the same coordinates in each and DTensors from any of them compose.
+        # Views of one world mesh in row-major [pp, dp_replicate, dp_shard, cp, tp] order, so a
+        # rank has the same coordinates in each and DTensors from any of them compose. Pipeline
+        # stages are outermost: every other view is taken within this rank's stage.
         return Meshes(
             dims=self,
-            dense=world._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp, self.tp),
-                                   ("dp_replicate", "dp_shard_cp", "tp")),
-            batch=world._unflatten(0, (self.dp, self.cp, self.tp), ("dp", "cp", "tp")),
-            loss=world._unflatten(0, (self.dp * self.cp, self.tp), ("dp_cp", "tp")),
+            dense=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp, self.tp),
+                                   ("pp", "dp_replicate", "dp_shard_cp", "tp")),
+            batch=world._unflatten(0, (p, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp")),
+            loss=world._unflatten(0, (p * self.dp * self.cp, self.tp), ("pp_dp_cp", "tp")),
+            tokens=world._unflatten(0, (p, self.dp * self.cp, self.tp), ("pp", "dp_cp", "tp")),
             # ep innermost within dp_shard x cp: an expert-parallel group is ep neighbouring ranks
-            experts=world._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp),
-                                     ("dp_replicate", "efsdp", "ep", "tp")),
+            experts=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp),
+                                     ("pp", "dp_replicate", "efsdp", "ep", "tp")),
         )
 
 
 @dataclass(frozen=True)
 class Meshes:
-    """Named sub-meshes of the world mesh [dp_replicate, dp_shard, cp, tp]."""
+    """Named sub-meshes of the world mesh [pp, dp_replicate, dp_shard, cp, tp]."""
 
     dims: ParallelDims
     dense: DeviceMesh
-    """[dp_replicate, dp_shard_cp, tp]: FSDP/HSDP and TP."""
+    """[pp, dp_replicate, dp_shard_cp, tp]: FSDP/HSDP and TP (within a pipeline stage)."""
     batch: DeviceMesh
-    """[dp, cp, tp]: which slice of the global batch, and of the sequence, a rank holds."""
+    """[pp, dp, cp, tp]: which slice of the global batch, and of the sequence, a rank holds."""
     loss: DeviceMesh
-    """[dp_cp, tp]: the ranks whose token sums make up the global loss."""
+    """[pp_dp_cp, tp]: the ranks whose token sums make up the global loss."""
+    tokens: DeviceMesh
+    """[pp, dp_cp, tp]: the ranks that hold different tokens of one pipeline stage."""
     experts: DeviceMesh
-    """[dp_replicate, efsdp, ep, tp]: experts split over ep (ep neighbouring ranks of dp_shard x
+    """[pp, dp_replicate, efsdp, ep, tp]: experts split over ep (ep neighbouring ranks of dp_shard x
     cp), each part FSDP-sharded over efsdp = dp_shard x cp / ep and replicated over dp_replicate."""
 
     @property
@@ -116,20 +125,28 @@ class Meshes:
         return self.batch["cp"]
 
     @property
+    def pp(self) -> DeviceMesh:
+        """The ranks of this rank's pipeline: one per stage group, the same dp, cp and tp coordinates."""
+        return self.batch["pp"]
+
+    @property
     def dp_cp(self) -> DeviceMesh:
         """The ranks that hold different tokens: target counts are summed over it."""
-        return self.loss["dp_cp"]
+        return self.tokens["dp_cp"]
 
     @property
     def loss_group(self) -> dist.ProcessGroup:
-        """The ranks whose loss sums add up to the global loss (tp ranks hold the same sum)."""
-        return self.dp_cp.get_group()
+        """The ranks whose loss sums add up to the global loss (tp ranks hold the same sum; only
+        the last pipeline stage holds a nonzero one)."""
+        return self.loss["pp_dp_cp"].get_group()
 
     @property
     def stage_ranks(self) -> list[int]:
-        """The ranks that hold the same model part as this one (all of them without pipeline
+        """The ranks that hold the same model parts as this one (all of them without pipeline
         stages): titanlite.parallel.grad_norm counts each parameter once among them."""
-        return list(range(dist.get_world_size()))
+        per_stage = dist.get_world_size() // self.dims.pp
+        first = dist.get_rank() // per_stage * per_stage
+        return list(range(first, first + per_stage))
 
 
 def pick_device(choice: str) -> torch.device:

@@ -1,0 +1,359 @@
+"""Pipeline parallelism: the model cut into stages, run by torch.distributed.pipelining.
+
+The cut is generic: a stage keeps a contiguous range of blocks; the modules a family
+declares before the blocks (embeddings) stay on the first stage only and those after
+them (final norm, output) on the last only, replaced by nn.Identity elsewhere. Parameter
+names stay those of the whole model, so checkpoints load on any layout.
+
+Placement: with one stage per rank, stage i lives on pp rank i. With more, stages loop
+over the ranks (stage s on rank s % pp) or, for V schedules, go down and back up
+(rank r holds stages r and 2pp-1-r), so the first and last stage share rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
+                                                    get_schedule_class)
+
+from titanlite.attention import AttnContext
+from titanlite.config import Parallelism
+from titanlite.errors import ConfigError
+from titanlite.loss import extra_losses, loss_context
+from titanlite.model_spec import ModelSpec
+from titanlite.parallel.apply import ParallelizeOptions
+from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.step import Batch, StepOutput, count_targets
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV")
+# Schedules with two stages per rank placed in a V (first and last stage on rank 0)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split backward into input and weight gradients (the graph is kept between them)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which blocks each stage holds and which stages this rank runs."""
+
+    n_stages: int
+    blocks: tuple[tuple[int, int], ...]
+    """[start, stop) block indices of every stage."""
+    style: str
+    """"loop" or "v"."""
+    n_microbatches: int
+    tied: tuple[tuple[str, ...], ...] = ()
+    """Names of each weight the whole model shares between modules (a tied embedding)."""
+
+    def stages_of(self, pp_rank: int, pp: int) -> list[int]:
+        if self.style == "v":
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return list(range(pp_rank, self.n_stages, pp))
+
+
+def is_multi(schedule: str) -> bool:
+    return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
+
+
+def split_blocks(n_blocks: int, n_stages: int, first_less: int, last_less: int) -> list[int]:
+    """Blocks per stage, each at least one, balancing blocks plus the first stage's
+    `first_less` and the last stage's `last_less` block-equivalents (embedding, output)."""
+    counts = [1] * n_stages
+    extra = [0] * n_stages
+    extra[0] += first_less
+    extra[-1] += last_less
+    # middle stages first on ties: they hold no embedding or output
+    order = sorted(range(n_stages), key=lambda i: (i in (0, n_stages - 1), i))
+    for _ in range(n_blocks - n_stages):
+        i = min(order, key=lambda j: counts[j] + extra[j])
+        counts[i] += 1
+    return counts
+
+
+def check_schedule_name(name: str) -> None:
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule '{name}'; "
+                          f"use one of {', '.join(SCHEDULES)}")
+
+
+def plan_stages(cfg: Parallelism, n_blocks: int, local_batch_size: int) -> StagePlan:
+    """Stage count and block ranges, or a ConfigError naming the key to change."""
+    pp, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
+    key = "parallelism.pipeline_parallel_"
+    check_schedule_name(name)
+    mbs = cfg.pipeline_parallel_microbatch_size
+    if mbs < 1 or local_batch_size % mbs:
+        raise ConfigError(f"{key}microbatch_size {mbs} does not divide training.local_batch_size "
+                          f"{local_batch_size}; pick a divisor of it")
+    n_mb = local_batch_size // mbs
+    first, last = cfg.pipeline_parallel_first_stage_less_layers, cfg.pipeline_parallel_last_stage_less_layers
+    if first < 0 or last < 0 or cfg.pipeline_parallel_layers_per_stage < 0:
+        raise ConfigError(f"{key}layers_per_stage and {key}first/last_stage_less_layers must be >= 0")
+    if pp > n_blocks:
+        raise ConfigError(f"{key}degree {pp} exceeds the model's {n_blocks} blocks; "
+                          f"use at most {n_blocks} stages")
+    per_rank = 2 if is_multi(name) else 1
+    if cfg.pipeline_parallel_layers_per_stage:
+        n_stages = math.ceil((n_blocks + first + last) / cfg.pipeline_parallel_layers_per_stage)
+    else:
+        n_stages = pp * per_rank
+    placeable = (n_stages == pp if per_rank == 1 else
+                 n_stages == 2 * pp if name in V_SCHEDULES else n_stages % pp == 0)
+    if not placeable:
+        need = {1: f"exactly {pp}", 2: f"exactly {2 * pp}" if name in V_SCHEDULES else f"a multiple of {pp}"}
+        raise ConfigError(f"{key}layers_per_stage {cfg.pipeline_parallel_layers_per_stage} makes {n_stages} "
+                          f"stages; {name} on {pp} pipeline ranks needs {need[per_rank]}; "
+                          f"change {key}layers_per_stage or the schedule")
+    if n_stages > n_blocks:
+        raise ConfigError(f"{n_stages} pipeline stages exceed the model's {n_blocks} blocks; use fewer "
+                          f"stages ({key}degree or {key}layers_per_stage)")
+    if name in ("1F1B", "DualPipeV") and n_mb < n_stages:
+        # older torch hangs here (1F1B with fewer micro-batches than stages) instead of failing
+        raise ConfigError(f"{name} needs at least as many micro-batches as stages ({n_stages}), got "
+                          f"{n_mb} (training.local_batch_size {local_batch_size} / {key}microbatch_size "
+                          f"{mbs}); raise the local batch size or lower the micro-batch size")
+    rounds = max(1, n_mb // pp)
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n_mb % rounds:
+        raise ConfigError(f"{name} needs the micro-batch count ({n_mb}) to be a multiple of "
+                          f"micro-batches // pipeline degree ({rounds}); use a multiple of {pp}")
+    counts = split_blocks(n_blocks, n_stages, first, last)
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return StagePlan(n_stages, tuple((s, s + c) for s, c in zip(starts, counts)),
+                     "v" if name in V_SCHEDULES else "loop", n_mb)
+
+
+def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of each parameter the model shares between modules (a tied embedding)."""
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return tuple(tuple(names) for names in shared.values() if len(names) > 1)
+
+
+def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
+    """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
+    if not is_first:
+        for name in spec.pre:
+            setattr(model, name, nn.Identity())
+    if not is_last:
+        for name in spec.post:
+            setattr(model, name, nn.Identity())
+    blocks: nn.ModuleDict = getattr(model, spec.blocks)
+    for key in list(blocks.keys()):
+        if not start <= int(key) < stop:
+            del blocks[key]
+    return model
+
+
+def stage_modules(spec: ModelSpec, args, stages: StagePlan, meshes: Meshes) -> list[nn.Module]:
+    """This rank's stages, each cut from its own whole model (build on meta), FQNs unchanged;
+    every parameter's value depends only on its name, so a stage initialises as the whole model would."""
+    return [cut(spec.build(args), spec, *stages.blocks[s], s == 0, s == stages.n_stages - 1)
+            for s in stages.stages_of(meshes.pp.get_local_rank(), meshes.dims.pp)]
+
+
+def _to_context(make_ctx: Callable) -> Callable:
+    """A forward pre-hook: a stage is called as part(x, positions=..., document_ids=...) (the
+    schedule chunks keyword tensors along the batch, for every stage); the model wants part(x, ctx)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (args[0], make_ctx(kwargs.get("positions"), kwargs.get("document_ids"))), {}
+    return hook
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """Per-rank shapes of one pipeline micro-batch: the first stage's tokens, the hidden states
+    between stages, the last stage's logits; stages are built with them (static shapes)."""
+
+    tokens: tuple[int, ...]
+    hidden: tuple[int, ...]
+    logits: tuple[int, ...]
+    hidden_dtype: torch.dtype
+
+
+def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
+                 opts: ParallelizeOptions) -> StageShapes:
+    """Found by running the whole model on meta tensors, so a family declares nothing more."""
+    with torch.device("meta"):
+        model = spec.build(args)
+        tokens = torch.zeros(microbatch_size, seq_len // dims.cp, dtype=torch.long)
+        logits = model(tokens)
+        hidden = cut(model, spec, 0, len(getattr(model, spec.blocks)), True, False)(tokens)
+    rows, seq, dim = hidden.shape
+    if dims.tp > 1 and opts.sequence_parallel:
+        seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
+    # FSDP computes in its parameter dtype; autocast keeps the residual stream in float32
+    dtype = opts.param_dtype if dims.fsdp else torch.float32
+    return StageShapes(tuple(tokens.shape), (rows, seq, dim), tuple(logits.shape), dtype)
+
+
+@dataclass
+class PipelineStep:
+    """The step seam over pipeline stages: each micro-batch of the step (gradient accumulation)
+    is one run of the schedule, which cuts it into pipeline micro-batches. The last stage's
+    loss is each pipeline micro-batch's summed token loss over the step's global target count,
+    as in PlainStep, so gradients need no scaling by the micro-batch count."""
+
+    parts: list[nn.Module]
+    plan: StagePlan
+    schedule_name: str
+    meshes: Meshes
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    opts: ParallelizeOptions
+    cp_group: dist.ProcessGroup | None
+    autocast: contextlib.AbstractContextManager
+    device: torch.device
+    shapes: StageShapes
+    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+    """Fault injection for tests (titanlite.fault.Guard.inject_loss), on the last stage's losses."""
+
+    def __post_init__(self) -> None:
+        if self.opts.compile.enable and self.schedule_name in SPLIT_BACKWARD:
+            # their weight-gradient pass reuses the graph the input-gradient pass kept, which a
+            # compiled backward refuses while it donates its buffers
+            torch._functorch.config.donated_buffer = False
+        ids = self.plan.stages_of(self.meshes.pp.get_local_rank(), self.meshes.dims.pp)
+        self.is_first, self.is_last = 0 in ids, self.plan.n_stages - 1 in ids
+        self.stages = [self._stage(part, s) for part, s in zip(self.parts, ids)]
+        self.schedule = self._schedule()
+        self._tie(ids)
+        self._sums: list[torch.Tensor] = []
+        self._n_targets: torch.Tensor | None = None
+
+    def _stage(self, part: nn.Module, s: int) -> PipelineStage:
+        sh = self.shapes
+        # static shapes: no shape inference, which on torch 2.13 runs a real forward and backward
+        # (the loss included) before the first step; a received input must require grad, or
+        # the previous stage gets no gradient back
+        hidden = torch.empty(sh.hidden, dtype=sh.hidden_dtype, device="meta", requires_grad=True)
+        inp = torch.empty(sh.tokens, dtype=torch.long, device="meta") if s == 0 else hidden
+        out = torch.empty(sh.logits, device="meta") if s == self.plan.n_stages - 1 else hidden
+        part.register_forward_pre_hook(_to_context(
+            lambda pos, docs: AttnContext(pos, docs, self.cp_group, self.opts.param_dtype)), with_kwargs=True)
+        return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
+                             group=self.meshes.pp.get_group())
+
+    def _tie(self, ids: list[int]) -> None:
+        """Tied weights (an embedding shared with the output layer) live on the first and the
+        last stage as two copies that start equal; their gradients are summed after each step,
+        so the same optimizer update keeps them equal. `mirrors` are the copies past the first
+        stage, which the gradient norm must not count again. Both copies have one layout (the
+        stages share dp, cp and tp), so the local shards add up."""
+        self.copies = [[part.get_parameter(n) for part in self.parts for n in names
+                        if n in dict(part.named_parameters())] for names in self.plan.tied]
+        first = self.parts[ids.index(0)] if 0 in ids else None
+        self.mirrors = tuple(p for copies in self.copies for p in copies
+                             if first is None or all(p is not q for q in first.parameters()))
+        # first and last stage on different ranks (loop placement): one group per pair, made by
+        # every rank in the same order; under a V both sit on pp rank 0 and add up locally
+        self.tie_group = None
+        if self.plan.tied and self.plan.style == "loop":
+            per = dist.get_world_size() // self.meshes.dims.pp
+            for c in range(per):
+                group = dist.new_group([c, (self.meshes.dims.pp - 1) * per + c])
+                if dist.get_rank() % per == c:
+                    self.tie_group = group
+
+    @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        for copies in self.copies:
+            if not copies:
+                continue
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+            total = torch.stack(local).sum(0) if len(local) > 1 else local[0].clone()
+            if self.tie_group is not None:
+                dist.all_reduce(total, group=self.tie_group)
+            for g in local:
+                g.copy_(total)
+
+    def _schedule(self) -> PipelineScheduleSingle | PipelineScheduleMulti:
+        cls = get_schedule_class(self.schedule_name)
+        stages = self.stages if issubclass(cls, PipelineScheduleMulti) else self.stages[0]
+        # the loss is already over the global target count: no division by the micro-batch count
+        return cls(stages, n_microbatches=self.plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.inject(self.loss_fn(logits, labels))
+        self._sums.append(loss.detach())
+        return loss / self._n_targets
+
+    def _inputs(self, batch: Batch) -> tuple[tuple, dict]:
+        """Positional inputs (the first stage's tokens) and the keyword tensors every stage gets,
+        [batch, ...] so the schedule can cut them into micro-batches."""
+        rows, seq = batch["input_ids"].shape
+        # explicit positions: a later stage sees hidden states, sequence-sharded under sequence
+        # parallel, whose length is not the sequence's
+        batch = {"positions": torch.arange(seq, device=batch["input_ids"].device)[None], **batch}
+        kwargs = {k: batch[k].expand(rows, -1) for k in ("positions", "document_ids") if k in batch}
+        return ((batch["input_ids"],) if self.is_first else ()), kwargs
+
+    def __call__(self, batches: list[Batch]) -> StepOutput:
+        self._n_targets = count_targets(batches, self.meshes.dp_cp.get_group())
+        self._sums.clear()
+        with extra_losses(self._n_targets) as extra:
+            for batch in batches:
+                args, kwargs = self._inputs(batch)
+                with loss_context(self.opts.loss_parallel), self.autocast:
+                    self.schedule.step(*args, target=batch["labels"] if self.is_last else None,
+                                       return_outputs=False, **kwargs)
+        self._sum_tied_grads()
+        zero = torch.zeros((), device=self._n_targets.device)
+        return StepOutput(torch.stack(self._sums).sum() if self._sums else zero, self._n_targets, extra)
+
+    def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
+        args, kwargs = self._inputs(batch)
+        with loss_context(self.opts.loss_parallel), self.autocast:
+            logits = forward_only(self.stages, self.plan.n_microbatches, args, kwargs)
+            if logits is None:
+                return torch.zeros((), device=batch["labels"].device)
+            return self.loss_fn(logits, batch["labels"])
+
+
+@torch.no_grad()
+def forward_only(stages: list[PipelineStage], n_microbatches: int, args: tuple,
+                 kwargs: dict) -> torch.Tensor | None:
+    """Forward only through this rank's stages (validation), with the stages' own send and
+    receive ops: stage by stage, micro-batch by micro-batch. Returns the last stage's logits,
+    else None. The schedules' eval() is not used: on torch 2.13 the V schedules still run their
+    backward actions there and fail."""
+    arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, n_microbatches)
+    local = {s.stage_index: s for s in stages}
+    outputs, sends = [], []
+    for stage in sorted(stages, key=lambda s: s.stage_index):
+        for mb in range(n_microbatches):
+            if not stage.is_first and stage.stage_index - 1 not in local:
+                for work in _p2p(stage.get_fwd_recv_ops(mb)):
+                    work.wait()
+            out = stage.forward_one_chunk(mb, arg_mbs[mb], kwarg_mbs[mb])
+            if stage.is_last:
+                outputs.append(out)
+            elif stage.stage_index + 1 in local:
+                local[stage.stage_index + 1].set_local_fwd_input(out, mb)
+            else:
+                # waited at the end: a rank blocked on a send while its peer blocks on its own deadlocks
+                sends += _p2p(stage.get_fwd_send_ops(mb))
+    for work in sends:
+        work.wait()
+    for stage in stages:
+        stage.clear_runtime_states()
+        # multi-stage schedules gather and free FSDP parameters themselves; leave them sharded
+        for module in stage.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+    return torch.cat(outputs) if outputs else None
+
+
+def _p2p(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return dist.batch_isend_irecv(ops) if ops else []
