@@ -63,7 +63,15 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work():
     assert dry_run(cfg, 2)["_roles"][0].flops == pytest.approx(expected / 2, rel=0.01)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+# Known gaps (issue 16 stays open until they close): the fake process group cannot run the
+# pipeline schedule's send/recv, and MoE routing has data-dependent shapes. Strict, so each case
+# fails loudly the day the dry run covers it and the mark must go.
+_UNTRACED = {"llama_405b": "pipeline stages", "llama_70b": "pipeline stages", "qwen3_moe_debug": "MoE layers"}
+SHIPPED = [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=f"the dry run does not trace {_UNTRACED[p.stem]} yet"))
+           if p.stem in _UNTRACED else p for p in CONFIGS]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_fits_at_its_intended_scale(path):
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])
