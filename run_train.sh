@@ -20,10 +20,10 @@ case " $* " in
 esac
 
 # Validate in one process first: bad input gives one clear line, not one per rank.
-# The config alone is checked without torch (fast), then layout, model and files, then memory.
+# The config alone is checked without torch (fast), then the trainer's preflight (layout,
+# model, files) and a dry run of one step on fake tensors (seconds) that refuses a layout
+# that cannot fit in memory.
 python -m titanlite.config_load "$@"
-WORLD_SIZE=$((NGPU * NNODES)) python -m titanlite.train --check "$@"
-# A dry run of one step on fake tensors (seconds): refuse a layout that cannot fit in memory.
 python -m titanlite.dryrun --check-memory "$NGPU" --ngpu $((NGPU * NNODES)) "$@"
 
 if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then

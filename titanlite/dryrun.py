@@ -1,7 +1,7 @@
 """Dry run of one real training step at any scale, on one CPU process, allocating nothing:
 
     python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--section.key value ...]
-    python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's memory preflight)
+    python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's pre-launch check)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
 nothing) with fake tensors (shapes, no storage): the real config loading and preflight, the
@@ -386,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
         gpu = hardware.get_gpu(opts["gpu"])
         cfg, _ = config_load.load(rest)
         if opts["check_memory"] is not None:
+            # run_train.sh's whole pre-launch check in one process: the trainer's own preflight
+            # of the job as given, then the memory estimate
+            preflight(cfg, int(opts["ngpu"]))
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]))
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
