@@ -32,9 +32,11 @@ def _check(ref: Run, run: Run) -> None:
     assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
 
 
-@pytest.mark.parametrize("loss_parallel", [True, False], ids=["loss_parallel", "gathered_logits"])
-@pytest.mark.parametrize("replicate,shard,tp", [(1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 2)],
-                         ids=["tp2", "tp4", "fsdp2xtp2", "hsdp2x2xtp2"])
+# Loss parallel sees only the tp mesh, so gathered logits are tried once with sequence parallel
+# (tp2 here) and once with FSDP x TP (test_tp_without_sequence_parallel), not in every layout.
+@pytest.mark.parametrize("replicate,shard,tp,loss_parallel", [
+    (1, 1, 2, True), (1, 1, 2, False), (1, 1, 4, True), (1, 2, 2, True), (2, 2, 2, True)],
+    ids=["tp2-loss_parallel", "tp2-gathered_logits", "tp4", "fsdp2xtp2", "hsdp2x2xtp2"])
 def test_tp_matches_single_process(replicate, shard, tp, loss_parallel):
     ref = reference([*GLOBAL4, "--training.local_batch_size", "4"])
     run = train(replicate * shard * tp, _parallel(replicate, shard, tp, loss_parallel))
