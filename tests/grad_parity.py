@@ -1,11 +1,11 @@
 """Per-parameter gradient parity of one parallelized step against the same model unsharded.
 
-Run under torchrun: `python -m torch.distributed.run --nproc_per_node N tests/grad_parity.py
-MODEL DP_SHARD TP [nosp] [ep=N]` (nosp: tensor parallel without sequence parallel; ep=N: expert
-parallel), or `... grad_parity.py MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank
-builds the single-device model too and compares each full
-gradient; loss-curve parity alone can miss a small parameter whose gradient is never
-reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
+Run as N ranks (tests/harness.assert_grad_parity starts them; by hand: `python -m
+torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL DP_SHARD TP [nosp] [ep=N]`;
+nosp: tensor parallel without sequence parallel; ep=N: expert parallel), or `... grad_parity.py
+MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank builds the single-device model
+too and compares each full gradient; loss-curve parity alone can miss a small parameter whose
+gradient is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
 
 from __future__ import annotations

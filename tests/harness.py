@@ -1,20 +1,26 @@
 """Launch the real trainer on N gloo ranks and read back what rank 0 logged.
 
-gloo ranks sometimes abort (SIGABRT) inside destroy_process_group() after all work
-is done, and torchrun then SIGTERMs the ranks still tearing down. A run counts as passed
-when torchrun exits 0, or when every rank wrote its done marker and the child failures
-are SIGABRT, plus possibly those SIGTERMs. Anything else fails.
+Ranks are started as the plain processes torchrun would start (RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT set), without its agent: the agent costs seconds of start-up per launch, and
+the suite launches a few hundred times. A rank that fails takes the others down at once, as
+torchrun does. The launcher path itself is tested through run_train.sh and plain torchrun.
+
+gloo ranks sometimes abort (SIGABRT) inside destroy_process_group() after all work is done.
+A run counts as passed when every rank exits 0, or aborts with SIGABRT after writing its done
+marker. Anything else fails.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +36,8 @@ class Run:
     returncode: int
     output: str
     dump: Path
+    codes: list[int] = field(default_factory=list)
+    """Each rank's exit status (negative: killed by that signal)."""
 
     @property
     def rows(self) -> list[dict]:
@@ -58,20 +66,76 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+FAIL_GRACE_S = 5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun gives each rank it starts on one node."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _done(dump: Path, rank: int) -> bool:
+    return (dump / "status" / f"rank-{rank}.done").exists()
+
+
 def _finished(run: Run, nproc: int) -> bool:
-    done = all((run.dump / "status" / f"rank-{r}.done").exists() for r in range(nproc))
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.output)
-    return done and "-6" in codes and all(c in ("-6", "-15") for c in codes)
+    """Every rank ended in 0, or in the teardown SIGABRT after writing its done marker."""
+    return all(c == 0 or (c == -signal.SIGABRT and _done(run.dump, r)) for r, c in enumerate(run.codes))
+
+
+def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, timeout: int = 600,
+                dump: Path | None = None) -> tuple[list[int], str]:
+    """Run `cmd` as `nproc` ranks; return their exit statuses and their output, rank by rank.
+    Once a rank fails, the others get FAIL_GRACE_S to end on their own (to say their error
+    too, or notice the lost peer), then are killed. With a dump folder, a SIGABRT after the
+    rank's done marker is teardown, not failure."""
+    port = free_port()
+    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env({**rank_env(r, nproc, port), **(env or {})}),
+                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(nproc)]
+
+    def failed(r: int, code: int | None) -> bool:
+        return code not in (None, 0) and not (code == -signal.SIGABRT and dump is not None and _done(dump, r))
+
+    deadline, grace_end = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if grace_end is None and any(failed(r, p.returncode) for r, p in enumerate(procs)):
+                grace_end = now + FAIL_GRACE_S
+            if grace_end is not None and now > grace_end:
+                break
+            if now > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    output = ""
+    for log in logs:
+        log.seek(0)
+        output += log.read()
+        log.close()
+    return [p.returncode for p in procs], output
 
 
 def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str, str] | None = None,
            timeout: int = 600, module: str = "titanlite.train") -> Run:
-    """Run `torchrun -m titanlite.train` (or a test wrapper of it) and return the outcome without judging it."""
+    """Run `python -m titanlite.train` (or a test wrapper of it) on `nproc` ranks and return the
+    outcome without judging it: returncode is the first failing rank's status, else 0."""
     dump = dump or Path(tempfile.mkdtemp(prefix="titanlite-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", module, "--job.dump_folder", str(dump), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(env), timeout=timeout, cwd=REPO)
-    return Run(proc.returncode, proc.stdout + proc.stderr, dump)
+    codes, output = spawn_ranks(nproc, [sys.executable, "-m", module, "--job.dump_folder", str(dump), *args],
+                                env, timeout, dump)
+    return Run(next((c for c in codes if c), 0), output, dump, codes)
 
 
 def train(nproc: int, args: list[str], **kwargs) -> Run:
@@ -109,8 +173,6 @@ def assert_grad_parity(model: str, nproc: int, args: list[str]) -> None:
     Loss curves barely feel small replicated weights (norms): a gradient left unreduced
     across tensor-parallel ranks can pass loss parity and still be wrong.
     """
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(REPO / "tests" / "grad_parity.py"), model, *args],
-                          capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=300)
-    assert proc.stdout.count("worst relative diff") == nproc and "MISMATCH" not in proc.stdout, \
-        proc.stdout[-3000:] + proc.stderr[-3000:]
+    codes, output = spawn_ranks(nproc, [sys.executable, str(REPO / "tests" / "grad_parity.py"), model, *args],
+                                timeout=300)
+    assert output.count("worst relative diff") == nproc and "MISMATCH" not in output, (codes, output[-6000:])

@@ -11,7 +11,6 @@ import math
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, TINY, _env, launch, train
+from harness import REPO, TINY, _env, free_port, launch, rank_env, train
 
 from titanlite.checkpoint import load_tensors
 
@@ -53,20 +52,12 @@ class Ranks:
         return json.loads((self.dump / "status" / f"rank-{rank}.done").read_text())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(nproc: int, args: list[str], dump: Path, faults: str = "") -> Ranks:
     """Start `nproc` trainer processes that rendezvous on a fresh local port."""
-    port = str(_free_port())
+    port = free_port()
     procs = []
     for rank in range(nproc):
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                    "TITANLITE_FAULTS": faults})
+        env = _env({**rank_env(rank, nproc, port), "TITANLITE_FAULTS": faults})
         log = open(dump / f"rank-{rank}.log", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump),
                                        *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from harness import REPO, TINY, _env, launch
+from harness import REPO, TINY, _env
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -103,6 +103,9 @@ def test_bad_input_one_line_fast_nonzero(tmp_path, case):
 
 def test_bad_input_under_plain_torchrun_exits_on_every_rank(tmp_path):
     start = time.monotonic()
-    run = launch(2, ["--data.path", str(tmp_path / "missing")], timeout=60)
-    assert run.returncode != 0 and time.monotonic() - start < 30
-    assert run.output.count("titanlite: error: data.path:") == 2, run.output
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "titanlite.train", "--data.path", str(tmp_path / "missing")],
+                          capture_output=True, text=True, env=_env(None), timeout=60, cwd=REPO)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - start < 30
+    assert output.count("titanlite: error: data.path:") == 2, output
