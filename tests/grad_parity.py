@@ -1,8 +1,8 @@
 """Per-parameter gradient parity of one parallelized step against the same model unsharded.
 
 Run under torchrun: `python -m torch.distributed.run --nproc_per_node N tests/grad_parity.py
-MODEL DP_SHARD TP [nosp] [ep=N]` (nosp: tensor parallel without sequence parallel; ep=N: expert
-parallel), or `... grad_parity.py MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank
+MODEL DP_SHARD TP [nosp] [ep=N] [rep=N]` (nosp: tensor parallel without sequence parallel; ep=N:
+expert parallel; rep=N: N HSDP replicas), or `... grad_parity.py MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank
 builds the single-device model too and compares each full
 gradient; loss-curve parity alone can miss a small parameter whose gradient is never
 reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
@@ -31,9 +31,9 @@ from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1) -> None:
+         ep: int = 1, rep: int = 1) -> None:
     init_process_group(torch.device("cpu"), 120)
-    dims = ParallelDims(1, dp_shard, 1, tp, pp=pp, ep=ep)
+    dims = ParallelDims(rep, dp_shard, 1, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
@@ -47,7 +47,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
-    rows = inputs.shape[0] // dp_shard
+    rows = inputs.shape[0] // dims.dp
     mine = slice(meshes.dp.get_local_rank() * rows, (meshes.dp.get_local_rank() + 1) * rows)
     if pp > 1:
         cfg = Parallelism(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
@@ -99,5 +99,5 @@ if __name__ == "__main__":
         main(sys.argv[1], int(sys.argv[4]), int(sys.argv[5]), True, int(sys.argv[3]), sys.argv[6])
     else:
         flags = sys.argv[4:]
-        ep = next((int(f.removeprefix("ep=")) for f in flags if f.startswith("ep=")), 1)
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep=ep)
+        ep, rep = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), 1) for k in ("ep=", "rep="))
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep=ep, rep=rep)
