@@ -46,8 +46,11 @@ def test_expert_parallel_matches_single_process(layout):
     assert run.metrics[-1]["moe_router_bias_norm"] > 0 and run.metrics[-1]["moe_aux_loss"] > 0
 
 
-def test_every_gradient_matches_under_ep2_with_fsdp2():
-    assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2"])
+def test_every_gradient_matches_under_expert_parallel():
+    # one launch, four layouts: ep2 x fsdp2 (experts FSDP-sharded in pairs), ep2 x tp2 (sequence
+    # parallel, each tp rank routing its own tokens), HSDP (2 replicas x ep2), ep2 x pp2 (1F1B)
+    assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2", "+", "2", "2", "ep=2", "+", "2", "1", "ep=2", "rep=2",
+                                        "+", "pp", "2", "2", "1", "1F1B", "ep=2"])
 
 
 def test_compiled_dense_parts_under_ep2_match_single_process():

@@ -189,6 +189,8 @@ class MoE(nn.Module):
         over which the auxiliary loss counts loads; None on one process."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # shapes only (pipeline stage shapes): routing needs values, the shape is x's
+            return torch.empty_like(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, expert_ids, scores = self.router(x)
