@@ -1,11 +1,12 @@
 """Per-parameter gradient parity of one parallelized step against the same model unsharded.
 
 Run as N ranks (tests/harness.assert_grad_parity starts them; by hand: `python -m
-torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL DP_SHARD TP [nosp] [ep=N]`;
-nosp: tensor parallel without sequence parallel; ep=N: expert parallel), or `... grad_parity.py
-MODEL pp PP DP_SHARD TP SCHEDULE` for pipeline stages. Every rank builds the single-device model
-too and compares each full gradient; loss-curve parity alone can miss a small parameter whose
-gradient is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
+torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL LAYOUT [+ LAYOUT ...]`), a
+LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N]` (nosp: tensor parallel without sequence parallel;
+ep=N: expert parallel; rep=N: N HSDP replicas) or `pp PP DP_SHARD TP SCHEDULE [ep=N]` for pipeline
+stages; several layouts share one launch. Every rank builds the single-device model too and
+compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient is
+never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1) -> None:
-    init_process_group(torch.device("cpu"), 120)
-    dims = ParallelDims(1, dp_shard, 1, tp, pp=pp, ep=ep)
+         ep: int = 1, rep: int = 1) -> bool:
+    dims = ParallelDims(rep, dp_shard, 1, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
@@ -47,7 +47,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
-    rows = inputs.shape[0] // dp_shard
+    rows = inputs.shape[0] // dims.dp
     mine = slice(meshes.dp.get_local_rank() * rows, (meshes.dp.get_local_rank() + 1) * rows)
     if pp > 1:
         cfg = Parallelism(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
@@ -90,14 +90,20 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
           + (f"; MISMATCH {bad}" if bad else ""), flush=True)
     ok = torch.tensor([0 if bad else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    dist.destroy_process_group()
-    sys.exit(0 if ok.item() else 1)
+    return bool(ok.item())
+
+
+def run_layout(name: str, words: list[str]) -> bool:
+    flags = [w for w in words if "=" in w or w == "nosp"]
+    ep, rep = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), 1) for k in ("ep=", "rep="))
+    if words[0] == "pp":
+        return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep)
+    return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep)
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "pp":
-        main(sys.argv[1], int(sys.argv[4]), int(sys.argv[5]), True, int(sys.argv[3]), sys.argv[6])
-    else:
-        flags = sys.argv[4:]
-        ep = next((int(f.removeprefix("ep=")) for f in flags if f.startswith("ep=")), 1)
-        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "nosp" not in flags, ep=ep)
+    init_process_group(torch.device("cpu"), 120)
+    layouts = " ".join(sys.argv[2:]).split(" + ")
+    ok = all([run_layout(sys.argv[1], layout.split()) for layout in layouts])  # every layout runs
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)

@@ -26,11 +26,14 @@ def _preflight(args: list[str], world: int):
      r"expert_parallel_degree 4 must divide data_parallel_shard_degree 2 x context_parallel_degree 1"),
     (["--model.name", "llama3", "--parallelism.expert_parallel_degree", "2"], 2, "llama3 debugmodel has no experts"),
     (["--model.name", "llama3", "--moe.aux_loss_coeff", "0.1"], 1, r"\[moe\] keys apply to mixture-of-experts"),
-    ([*MOE, "--parallelism.tensor_parallel_degree", "2"], 2, "MoE blocks under tensor parallelism"),
+    ([*MOE, "--parallelism.tensor_parallel_degree", "2"], 2,
+     "MoE blocks under tensor_parallel_degree 2 need an expert-parallel degree that is a multiple of it; use 2"),
+    ([*MOE, "--parallelism.tensor_parallel_degree", "4", "--parallelism.expert_parallel_degree", "2"], 8,
+     "expert_parallel_degree 2 must divide .* = 8 and be a multiple of tensor_parallel_degree 4"),
     ([*MOE, "--moe.grouped_mm", "sometimes"], 1, "moe.grouped_mm: 'sometimes' is not one of auto, on, off"),
     ([*MOE, "--moe.bias_update_rate", "-1"], 1, "moe.bias_update_rate must be >= 0"),
 ], ids=["experts_not_divisible_by_ep", "ep_not_dividing_dp_shard_x_cp", "dense_model_with_ep",
-        "moe_keys_on_dense_model", "tp_with_moe", "grouped_mm_choice", "negative_bias_rate"])
+        "moe_keys_on_dense_model", "tp_without_ep", "ep_not_multiple_of_tp", "grouped_mm_choice", "negative_bias_rate"])
 def test_refused_before_launch(args, world, match):
     with pytest.raises(ConfigError, match=match) as err:
         _preflight(args, world)

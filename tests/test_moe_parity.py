@@ -2,7 +2,9 @@
 
 Each single-process reference runs the global batch as one micro-batch: the auxiliary loss
 balances each micro-batch's tokens over all data-parallel ranks, so it is layout independent
-for a fixed split of the step into micro-batches, not across different splits."""
+for a fixed split of the step into micro-batches, not across different splits. Pipeline
+parallel runs each pipeline micro-batch as one such micro-batch: its reference accumulates
+gradients over the same rows (a layout with one data-parallel rank, so the rows match)."""
 
 import pytest
 from harness import TINY, assert_grad_parity, assert_parity, reference, train
@@ -19,6 +21,13 @@ LAYOUTS = {
                     "--parallelism.context_parallel_degree", "2", *EP2]),
     "ep4_op_ac": (4, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4",
                       "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"]),
+    # attention and output split over tp (sequence and loss parallel); each tp rank routes its
+    # own sequence shard, the expert-parallel group is the tp pair, experts FSDP-sharded over dp
+    "ep2xtp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *EP2]),
+    # two stages, four pipeline micro-batches of two rows: the reference accumulates the same four
+    "ep2xcp2xpp2": (4, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                        "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2", *EP2], 2),
 }
 
 
@@ -26,8 +35,8 @@ LAYOUTS = {
 def test_expert_parallel_matches_single_process(layout):
     """Balancing on in every layout: the router biases move after each step and the
     auxiliary loss is part of the loss, so both must come out the same."""
-    nproc, extra = LAYOUTS[layout]
-    ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
+    nproc, extra, *ref_rows = LAYOUTS[layout]
+    ref = reference([*MOE, *BALANCE, "--training.local_batch_size", str(ref_rows[0] if ref_rows else 8)])
     run = train(nproc, [*MOE, *BALANCE, *extra])
     assert_parity(ref.losses, run.losses)
     for key in ("grad_norm", "moe_aux_loss", "moe_router_bias_norm"):
@@ -37,8 +46,11 @@ def test_expert_parallel_matches_single_process(layout):
     assert run.metrics[-1]["moe_router_bias_norm"] > 0 and run.metrics[-1]["moe_aux_loss"] > 0
 
 
-def test_every_gradient_matches_under_ep2_with_fsdp2():
-    assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2"])
+def test_every_gradient_matches_under_expert_parallel():
+    # one launch, four layouts: ep2 x fsdp2 (experts FSDP-sharded in pairs), ep2 x tp2 (sequence
+    # parallel, each tp rank routing its own tokens), HSDP (2 replicas x ep2), ep2 x pp2 (1F1B)
+    assert_grad_parity("qwen3_moe", 4, ["4", "1", "ep=2", "+", "2", "2", "ep=2", "+", "2", "1", "ep=2", "rep=2",
+                                        "+", "pp", "2", "2", "1", "1F1B", "ep=2"])
 
 
 def test_compiled_dense_parts_under_ep2_match_single_process():

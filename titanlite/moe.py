@@ -185,10 +185,12 @@ class MoE(nn.Module):
         self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
         """Runs the experts on tokens grouped by (global) expert id; expert parallelism swaps it."""
         self.stats_group: dist.ProcessGroup | None = None
-        """The ranks holding different tokens of one micro-batch (data x context parallel), over
-        which the auxiliary loss counts loads; None on one process."""
+        """The ranks routing different tokens of one micro-batch (data x context x tensor parallel),
+        over which the auxiliary loss counts loads; None on one process."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # shapes only (pipeline stage shapes): routing needs values, the shape is x's
+            return torch.empty_like(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, expert_ids, scores = self.router(x)
@@ -231,14 +233,14 @@ def moe_layers(parts: list[nn.Module]) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None, stages: dist.ProcessGroup | None = None,
+                       device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """After an optimizer step: sum each layer's loads over the data-parallel batch, move the
     selection bias by rate x sign(mean load - load), reset the counts. Every rank computes the
     same update from the same summed loads, so biases agree on every layout. Returns the step's
-    load statistics (device tensors, no host sync) for the metrics."""
-    if not moes:
-        return {}
-    loads = torch.stack([m.tokens_per_expert for m in moes])  # [layers, experts]
+    load statistics over every layer (`stages`: the pipeline ranks holding the other layers;
+    device tensors, no host sync) for the metrics."""
+    loads = torch.stack([m.tokens_per_expert for m in moes]) if moes else torch.zeros(0, 1, device=device)
     if group is not None:
         dist.all_reduce(loads, group=group)
     mean = loads.mean(-1, keepdim=True)
@@ -247,16 +249,26 @@ def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None) -> dict
             m.router.expert_bias += m.args.bias_update_rate * torch.sign(avg - load)
         m.tokens_per_expert.zero_()
     ratio = loads.max(-1).values / mean.squeeze(-1).clamp(min=1)
-    bias_norm = torch.stack([m.router.expert_bias.norm() for m in moes]).norm()
-    return {"moe_load_max_over_mean_worst": ratio.max(), "moe_load_max_over_mean_avg": ratio.mean(),
-            "moe_router_bias_norm": bias_norm}
+    bias_sq = sum((m.router.expert_bias.square().sum() for m in moes), loads.new_zeros(()))
+    sums = torch.stack([ratio.sum(), loads.new_tensor(float(len(moes))), bias_sq])
+    worst = ratio.max() if moes else loads.new_zeros(())
+    if stages is not None:
+        dist.all_reduce(sums, group=stages)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=stages)
+    return {"moe_load_max_over_mean_worst": worst, "moe_load_max_over_mean_avg": sums[0] / sums[1].clamp(min=1),
+            "moe_router_bias_norm": sums[2].sqrt()}
 
 
 def post_step_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], dict[str, torch.Tensor]]]:
     """ModelSpec.post_step_hooks for any family built on this layer: after each optimizer step,
-    sum the loads over the ranks holding different tokens (data x context parallel), move the
-    router biases, and hand back the load statistics to log."""
+    sum the loads over the ranks routing different tokens (data x context x tensor parallel),
+    move the router biases, and hand back the load statistics over all pipeline stages to log."""
     moes = moe_layers(parts)
     dims = meshes.dims
-    group = meshes.dp_cp.get_group() if dims.dp * dims.cp > 1 else None
-    return [partial(update_router_bias, moes, group)] if moes else []
+    group = meshes.routed["dp_cp_tp"].get_group() if dims.dp * dims.cp * dims.tp > 1 else None
+    stages = meshes.pp.get_group() if dims.pp > 1 else None
+    if not moes and stages is None:
+        return []
+    # every stage joins the statistics, even one whose blocks are all dense
+    device = next(p.device for part in parts for p in part.parameters())
+    return [partial(update_router_bias, moes, group, stages, device)]

@@ -184,10 +184,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
         if logs or guard.stop:
             guard.phase("logging")
-            # the loss and every extra term in one collective; tp ranks hold the same values
-            sums = torch.stack([out.loss_sum, *(out.extra_losses.get(n, torch.zeros_like(out.loss_sum))
-                                                for n in plan.spec.extra_losses)])
-            dist.all_reduce(sums, group=meshes.loss_group)
+            # the loss and every extra term in one collective over all ranks: tp ranks hold the
+            # same loss sum (counted once), but extra terms over the tokens each rank routed
+            # (a MoE layer's tp ranks route different sequence shards)
+            once = meshes.tp.get_local_rank() == 0
+            sums = torch.stack([out.loss_sum if once else torch.zeros_like(out.loss_sum),
+                                *(out.extra_losses.get(n, torch.zeros_like(out.loss_sum))
+                                  for n in plan.spec.extra_losses)])
+            dist.all_reduce(sums)
             values = (sums / out.n_targets).tolist()
             now = time.perf_counter()
             tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()

@@ -135,8 +135,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel)
     if meshes.dims.ep > 1:
         apply_ep(model, meshes.ep)
-    if meshes.dims.dp * meshes.dims.cp > 1:
-        set_stats_group(model, meshes.dp_cp.get_group())
+    if meshes.dims.dp * meshes.dims.cp * meshes.dims.tp > 1:
+        set_stats_group(model, meshes.routed["dp_cp_tp"].get_group())
     apply_ac(blocks, opts.activation_checkpoint)
     if opts.compile.enable:
         apply_compile(blocks)

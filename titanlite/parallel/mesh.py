@@ -24,7 +24,8 @@ class ParallelDims:
     tp: int
     pp: int = 1
     ep: int = 1
-    """Expert parallel: experts split over ep ranks taken from dp_shard x cp."""
+    """Expert parallel: experts split over ep ranks taken from dp_shard x cp x tp (whole tp groups:
+    under tensor parallel each tp rank routes its own tokens, so experts are not split over tp)."""
 
     @staticmethod
     def from_config(cfg: Parallelism, world_size: int) -> "ParallelDims":
@@ -43,9 +44,10 @@ class ParallelDims:
                               f"{p * r * s * c * t} differ from the world size {world_size}; "
                               "make their product equal the number of ranks")
         e = cfg.expert_parallel_degree
-        if e < 1 or (s * c) % e:
+        if e < 1 or (s * c * t) % e or (e > 1 and e % t):
             raise ConfigError(f"parallelism.expert_parallel_degree {e} must divide data_parallel_shard_degree {s} "
-                              f"x context_parallel_degree {c} = {s * c} (expert parallel takes its ranks from them)")
+                              f"x context_parallel_degree {c} x tensor_parallel_degree {t} = {s * c * t} and be "
+                              f"a multiple of tensor_parallel_degree {t} (expert parallel takes its ranks from them)")
         return ParallelDims(r, s, c, t, pp=p, ep=e)
 
     @property
@@ -71,9 +73,11 @@ class ParallelDims:
             batch=world._unflatten(0, (p, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp")),
             loss=world._unflatten(0, (p * self.dp * self.cp, self.tp), ("pp_dp_cp", "tp")),
             tokens=world._unflatten(0, (p, self.dp * self.cp, self.tp), ("pp", "dp_cp", "tp")),
-            # ep innermost within dp_shard x cp: an expert-parallel group is ep neighbouring ranks
-            experts=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp),
-                                     ("pp", "dp_replicate", "efsdp", "ep", "tp")),
+            routed=world._unflatten(0, (p, self.dp * self.cp * self.tp), ("pp", "dp_cp_tp")),
+            # ep innermost within dp_shard x cp x tp: an expert-parallel group is ep neighbouring
+            # ranks, whole tp groups (TorchTitan's layout for experts not split over tp)
+            experts=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp * self.tp // self.ep, self.ep),
+                                     ("pp", "dp_replicate", "efsdp", "ep")),
         )
 
 
@@ -90,9 +94,12 @@ class Meshes:
     """[pp_dp_cp, tp]: the ranks whose token sums make up the global loss."""
     tokens: DeviceMesh
     """[pp, dp_cp, tp]: the ranks that hold different tokens of one pipeline stage."""
+    routed: DeviceMesh
+    """[pp, dp_cp_tp]: the ranks that route different tokens through a stage's MoE layers (under
+    tensor parallel each tp rank routes its own sequence shard)."""
     experts: DeviceMesh
-    """[pp, dp_replicate, efsdp, ep, tp]: experts split over ep (ep neighbouring ranks of dp_shard x
-    cp), each part FSDP-sharded over efsdp = dp_shard x cp / ep and replicated over dp_replicate."""
+    """[pp, dp_replicate, efsdp, ep]: experts split over ep (ep neighbouring ranks of dp_shard x cp x
+    tp), each part FSDP-sharded over efsdp = dp_shard x cp x tp / ep and replicated over dp_replicate."""
 
     @property
     def fsdp(self) -> DeviceMesh:

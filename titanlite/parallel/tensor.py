@@ -52,6 +52,22 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
                       output_fn=lambda mod, out, mesh: out.to_local())
 
 
+class TokenParallel(ParallelStyle):
+    """Run a module whole on every TP rank, on that rank's own tokens (dim 0 of its inputs), as
+    a MoE layer's router does under sequence parallel. Its parameters are Replicate DTensors
+    used on Shard(0) inputs, so their gradients come out Partial and are summed over tp."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+
+        return distribute_module(module, mesh, params,
+                                 input_fn=lambda mod, inputs, mesh: tuple(
+                                     DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs),
+                                 output_fn=lambda mod, out, mesh: out.to_local())
+
+
 def wait_on_output(module: nn.Module) -> None:
     """Make `module` return a plain tensor where tensor parallel leaves an AsyncCollectiveTensor
     (the embedding's reduce-scatter is issued async). A compiled block given one as input
@@ -67,6 +83,14 @@ def wait_on_output(module: nn.Module) -> None:
 def _present(module: nn.Module, names: tuple[str, ...] | list[str]) -> list[str]:
     # a pipeline stage holds some top-level modules as nn.Identity: nothing to split there
     return [n for n in names if not isinstance(module.get_submodule(n), nn.Identity)]
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool) -> None:
@@ -90,7 +114,8 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TP
         if isinstance(model.get_submodule(name), nn.Embedding):
             wait_on_output(model.get_submodule(name))  # before compiled blocks
     for b in blocks.values():
-        parallelize_module(b, mesh, block)
+        # a block holds either a dense feed-forward or a MoE layer: its plan is the entries it has
+        parallelize_module(b, mesh, {n: style for n, style in block.items() if _has(b, n)})
     for names in tied:
         # parallelize_module gave each module its own copy; tied modules share a layout (e.g.
         # embedding and output both shard the vocab), so one DTensor serves all of them
