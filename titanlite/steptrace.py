@@ -207,7 +207,7 @@ class StepTracer(TorchDispatchMode):
             self._id(t, self.comm_touched if comm else None)
         if comm:
             self._collective(func, comm, args, out, ins)
-        elif not func.is_view:
+        elif outs and not func.is_view:  # no tensor out (prim.device, sizes): no work
             fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func)
             flops = 0
             if fn is not None:
