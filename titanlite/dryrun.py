@@ -32,16 +32,16 @@ from titanlite import config_load, hardware
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.hardware import GIB
-from titanlite.model_spec import get_model_spec
-from titanlite.optim import build_optimizers
+from titanlite.moe import GroupedExperts, grouped_mm_supported, moe_layers
+from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.preflight import Plan, preflight
 from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
-# The mesh dimensions whose collectives FSDP/HSDP issue beside compute
-OVERLAPPED = {"dp_shard_cp", "dp_replicate"}
+# The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
+OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
 
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
@@ -75,16 +75,45 @@ def default_roles(dims) -> list[int]:
     return [0]
 
 
-def group_names(meshes) -> dict[str, str]:
+def group_names(meshes) -> dict:
     names = {}
-    for mesh in (meshes.dense, meshes.batch, meshes.loss):
+    for mesh in (meshes.dense, meshes.batch, meshes.loss, meshes.tokens, meshes.experts):
         for dim in mesh.mesh_dim_names:
             names.setdefault(mesh.get_group(dim).group_name, dim)
+    # ep's group is often data parallel's too (ep = dp_shard); only expert parallelism all-to-alls
+    names["all_to_all", meshes.ep.get_group().group_name] = "ep"
     return names
 
 
+def balanced_counts(counts: torch.Tensor, rows: int) -> list:
+    """`GroupedExperts.host_counts` under fake tensors, which hold no routing: a perfectly
+    balanced load, each row of the last dimension spreading `rows` evenly over its entries."""
+    q, r = divmod(rows, counts.shape[-1])
+    row = [q + (i < r) for i in range(counts.shape[-1])]
+    return [list(row) for _ in range(counts.shape[0])] if counts.dim() == 2 else row
+
+
+def _cuda_expert_path(experts: GroupedExperts, args: tuple) -> None:
+    """The experts' path as a CUDA job picks it, which this host cannot probe."""
+    if experts.use_grouped_mm is None:
+        why = "moe.grouped_mm = off" if experts.mode == "off" else grouped_mm_supported(
+            torch.device("cuda"), args[0].dtype, tuple(experts.w1.shape[1:]), probe=False)
+        if why is not None and experts.mode == "on":
+            raise ConfigError(f"moe.grouped_mm = on, but {why}; use auto or off")
+        experts.use_grouped_mm = why is None
+
+
+def fake_routing(parts: list[torch.nn.Module], device: str) -> None:
+    """Route every MoE layer's tokens as a balanced load (docs/scaling.md says what imbalance
+    costs), through the experts' path the job would take on `device`."""
+    for experts in (m.experts for m in moe_layers(parts)):
+        experts.host_counts = balanced_counts
+        if device == "cuda":
+            experts.register_forward_pre_hook(_cuda_expert_path)
+
+
 def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
-               shallower: tuple[Trace, int] | None = None) -> Trace:
+               shallower: tuple[Trace, int] | None = None, device: str = "cuda") -> Trace:
     """Set the model up with `n_blocks` blocks as train.py does and trace one step.
 
     Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 (interior
@@ -96,6 +125,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
     plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=n_blocks))
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
     parts = build_parts(plan, meshes, opts, None, t.seed)  # on meta, outside fake mode: mesh bookkeeping is real
+    fake_routing(parts, device)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     tracer = StepTracer(group_names(meshes))
     with fake:
@@ -140,7 +170,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             stats = torch.stack([grad_sq, out.loss_sum])
             dist.all_reduce(stats)  # the guard's one world all-reduce: gradient norm and verdict
             if t.max_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, t.max_norm, stats[0].sqrt(), foreach=True)
+                for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
+                    torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, stats[0].sqrt(), foreach=True)
             optimizers.step(None)
             for hook in hooks:
                 hook()
@@ -230,8 +261,9 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             meshes = dims.build_meshes("cpu")
-            first = trace_step(cfg, plan, meshes, ks[0], fake, period)
-            second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]))
+            first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device)
+            second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]),
+                                                             device)
             roles.append(extrapolate((first, second), ks, n, rank))
         finally:
             dist.destroy_process_group()
@@ -241,7 +273,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                       "tp": dims.tp, "pp": 1},
+                       "tp": dims.tp, "pp": 1, "ep": dims.ep},
             "_roles": roles, "_plan": plan}
 
 
@@ -328,14 +360,9 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
     exceeds what this machine has by more than 10%."""
     if cfg.job.memory_check == "off":
         return
-    untraced = [what for what, used in [
-        ("pipeline stages", cfg.parallelism.pipeline_parallel_degree > 1),
-        ("MoE layers", getattr(get_model_spec(cfg.model.name).flavors.get(cfg.model.flavor), "moe", None) is not None)]
-        if used]
-    if untraced:
-        # their step has data-dependent shapes (MoE routing) or a schedule the fake process
-        # group cannot run (pipeline send/recv); said once, not skipped silently
-        print(f"titanlite: note: memory check skipped: the dry run does not trace {' or '.join(untraced)} yet "
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        # a schedule the fake process group cannot run (pipeline send/recv); said once, not skipped silently
+        print("titanlite: note: memory check skipped: the dry run does not trace pipeline stages yet "
               "(job.memory_check)", file=sys.stderr)
         return
     est, _ = estimate(cfg, world_size, train_device(cfg))

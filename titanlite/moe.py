@@ -57,13 +57,18 @@ class MoEArgs:
     """"auto": grouped GEMM where supported, else the loop; "on": grouped GEMM or an error; "off": loop."""
 
 
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> str | None:
-    """None if torch._grouped_mm runs for these expert widths here, else why not."""
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...],
+                         probe: bool = True) -> str | None:
+    """None if torch._grouped_mm runs for these expert widths here, else why not. `probe=False`
+    checks only what needs no device, which is all CUDA needs: it runs every dtype (bf16 with
+    CUTLASS on sm90 and later, others with a per-group fallback)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     size = torch.empty((), dtype=dtype).element_size()
     if any(d * size % 16 for d in dims):
         return f"expert widths {dims} in {dtype} are not multiples of 16 bytes (grouped GEMM strides)"
+    if not probe:
+        return None
     key = (device.type, dtype)
     # outside any dispatch mode: per-op activation checkpointing replays ops by count, and
     # the first forward (which probes) would not match its recomputation (which does not)
@@ -83,6 +88,13 @@ _PROBED: dict[tuple[str, torch.dtype], str | None] = {}
 _LOGGED: set[str] = set()
 
 
+def counts_on_host(counts: torch.Tensor, rows: int) -> list:
+    """Routed token counts as host lists: a device-to-host copy, which waits for the device.
+    `rows` is what each row of counts' last dimension sums to when the load is perfectly
+    balanced; only the dry run's stand-in reads it (fake tensors hold no counts)."""
+    return counts.tolist()
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The rank's experts: under expert parallelism the stacked weights are DTensors sharded on dim 0."""
     return w.to_local() if isinstance(w, DTensor) else w
@@ -98,6 +110,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
         self.mode = mode
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
+        self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
+        """How counts reach the host; the dry run swaps in a balanced load."""
 
     def _pick(self, x: torch.Tensor) -> bool:
         reason = "forced off by moe grouped_mm = off" if self.mode == "off" else grouped_mm_supported(
@@ -121,7 +135,7 @@ class GroupedExperts(nn.Module):
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        sizes = counts.tolist() if sizes is None else sizes  # the loop needs the sizes on the host
+        sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
         outs = [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
                 for e, xe in enumerate(torch.split(x, sizes))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])

@@ -61,8 +61,24 @@ def _cpu_sdpa_flops(func, args, out) -> int:
                                     (*v.shape[:1], q.shape[1], *v.shape[2:]))
 
 
+def _grouped_mm_flops(func, args, out) -> int:
+    """Every row of a meets one group's matrix: forward (a [M, K] x b [G, K, N]) and the weight
+    gradient (a [K, M] x b [M, N], groups along M) both cost 2 M K N, a group's share of a 3-D a
+    only its group's columns."""
+    a, b = args[:2]
+    return 2 * a.numel() * b.shape[-1] // (a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1)
+
+
 _EXTRA_FLOPS = {_ATEN._scaled_dot_product_flash_attention_for_cpu.default: _cpu_sdpa_flops,
-                _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_sdpa_flops}
+                _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_sdpa_flops,
+                _ATEN._grouped_mm.default: _grouped_mm_flops}
+
+
+def _fake_grouped_mm(a, b, *args, **kwargs):
+    """torch's fake kernel for _grouped_mm accepts bf16 only (its CUTLASS kernel's dtype); CPU
+    and CUDA's fallback run any float dtype: the bf16 result's shape, in a's dtype."""
+    bf16 = torch.bfloat16
+    return _ATEN._grouped_mm.default(a.to(bf16), b.to(bf16), *args, **kwargs).to(a.dtype)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -99,7 +115,9 @@ class Trace:
 class StepTracer(TorchDispatchMode):
     """Use inside the FakeTensorMode: `with StepTracer(groups) as t: <step>`, then `t.result(...)`."""
 
-    def __init__(self, group_names: dict[str, str]):
+    def __init__(self, group_names: dict):
+        """group_names: process group name -> mesh dimension, or (kind, group name) -> the
+        dimension that kind of collective serves there, where a group serves several."""
         super().__init__()
         self.group_names = group_names
         self.phase = "forward"
@@ -197,7 +215,12 @@ class StepTracer(TorchDispatchMode):
         if self.phase == "forward" and torch._C._current_autograd_node() is not None:
             self.set_phase("backward")
         # FakeTensorMode's own wait_tensor returns a new tensor; eager waits in place
-        out = args[0] if func is _fn.wait_tensor.default else func(*args, **kwargs)
+        if func is _fn.wait_tensor.default:
+            out = args[0]
+        elif func is _ATEN._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            out = _fake_grouped_mm(*args, **kwargs)  # its casts run below this mode: not counted
+        else:
+            out = func(*args, **kwargs)
         if self.muted or active_fake_mode() is not self._fake:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -229,7 +252,8 @@ class StepTracer(TorchDispatchMode):
         t = out if payload == "out" else args[payload]
         t = t[0] if isinstance(t, (list, tuple)) else t
         t = t[0] if isinstance(t, (list, tuple)) else t
-        name = self.group_names.get(pg.group_name, "world" if pg.size() == dist.get_world_size() else "?")
+        name = self.group_names.get((kind, pg.group_name)) or self.group_names.get(
+            pg.group_name, "world" if pg.size() == dist.get_world_size() else "?")
         key = (kind, name, self.phase)
         if key not in self.comms:
             self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), self.phase)

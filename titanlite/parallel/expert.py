@@ -5,8 +5,9 @@ all-to-all (uneven splits), computed there with the grouped GEMM, and sent back 
 Both are differentiable (backward is the reverse all-to-all), and both run on gloo.
 
 The split sizes must be on the host: each MoE layer exchanges its per-expert token counts
-(one small all-to-all) and copies them to the host once, together with the counts it sends,
-the only device-to-host copy the layer makes. Nothing else in the step waits on the device.
+(one small all-to-all) and copies them to the host once, together with the counts it sends
+(`GroupedExperts.host_counts`), the only device-to-host copy the layer makes. Nothing else
+in the step waits on the device.
 
 Expert weights stay the stacked [num_experts, ...] tensors, as DTensors sharded on dim 0 over
 the ep mesh (so checkpoints hold the full, layout-independent stack), and are FSDP-sharded
@@ -39,17 +40,17 @@ def ep_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, 
     """x: [N, dim] grouped by global expert id, counts[e] rows each. Runs every row on the rank
     holding its expert and returns the results in x's order."""
     n_local = counts.numel() // ep
-    # received[r, e]: rows rank r sends for this rank's local expert e
+    # received[r * n_local + e]: rows rank r sends for this rank's local expert e
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
-    host = torch.cat([counts, received]).cpu()  # the layer's one device-to-host copy
-    sent, got = host[: counts.numel()].view(ep, n_local), host[counts.numel():].view(ep, n_local)
-    in_splits, out_splits = sent.sum(1).tolist(), got.sum(1).tolist()
+    sent, got = experts.host_counts(torch.stack([counts, received]), x.shape[0])  # the layer's one copy
+    sent, got = ([c[r * n_local:(r + 1) * n_local] for r in range(ep)] for c in (sent, got))
+    in_splits, out_splits = [sum(s) for s in sent], [sum(g) for g in got]
     y = all_to_all_single_autograd(x, out_splits, in_splits, group)
     # arrives grouped by (source rank, local expert); the grouped GEMM wants (local expert, source)
-    y = _reorder(y, got.flatten().tolist(), ep, n_local)
-    y = experts(y, received.view(ep, n_local).sum(0), sizes=got.sum(0).tolist())
-    y = _reorder(y, got.t().flatten().tolist(), n_local, ep)
+    y = _reorder(y, [n for g in got for n in g], ep, n_local)
+    y = experts(y, received.view(ep, n_local).sum(0), sizes=[sum(g[e] for g in got) for e in range(n_local)])
+    y = _reorder(y, [g[e] for e in range(n_local) for g in got], n_local, ep)
     return all_to_all_single_autograd(y, in_splits, out_splits, group)
 
 
