@@ -32,3 +32,6 @@ row 2 $M --training.seq_len 128 --training.local_batch_size 1 --optimizer.implem
 row 1 $D --training.seq_len 64 --training.local_batch_size 4 --optimizer.implementation foreach
 row 2 $D --training.seq_len 64 --training.local_batch_size 4 --parallelism.tensor_parallel_degree 2
 row 2 $M --training.seq_len 256 --training.local_batch_size 2 --parallelism.tensor_parallel_degree 2
+Q="--config qwen3_moe_debug.toml"  # MoE: the estimate routes a balanced load (docs/scaling.md)
+row 1 $Q --training.seq_len 64 --training.local_batch_size 4
+row 2 $Q --training.seq_len 64 --training.local_batch_size 4 --parallelism.expert_parallel_degree 2
