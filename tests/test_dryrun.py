@@ -70,32 +70,55 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work():
     assert dry_run(cfg, 2)["_roles"][0].flops == pytest.approx(expected["debug_model.toml"] / 2, rel=0.01)
 
 
-# Known gap (issue 16 stays open until it closes): the fake process group cannot run the
-# pipeline schedule's send/recv. Strict, so each case fails loudly the day the dry run covers it
-# and the mark must go.
-_UNTRACED = {"llama_405b": "pipeline stages", "llama_70b": "pipeline stages"}
-SHIPPED = [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=f"the dry run does not trace {_UNTRACED[p.stem]} yet"))
-           if p.stem in _UNTRACED else p for p in CONFIGS]
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_fits_at_its_intended_scale(path):
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])
-    rep = report(dry_run(cfg, ngpu), hardware.get_gpu("h100"))
+    result = dry_run(cfg, ngpu)
+    rep = report(result, hardware.get_gpu("h100"))
     assert rep["world_size"] == ngpu
-    (role,) = rep["roles"]
-    mem = role["memory_gib"]
-    assert 0 < mem["peak"] <= 80, f"{path.name} at {ngpu} GPUs: {mem}"
-    # the sharded state is what the parameter count says: fp32 parameters over the FSDP x TP ranks
-    n_params = sum(p.numel() for p in _meta_model(cfg, rep).parameters())
-    assert mem["parameters"] == pytest.approx(4 * n_params / ngpu / 2**30, rel=0.05)
-    assert mem["optimizer"] == pytest.approx(2 * mem["parameters"], rel=0.01)  # parameters include buffers
+    pp = rep["layout"]["pp"]
+    # one role per distinct pipeline rank: the first, a middle one, the last
+    assert [r["rank"] for r in rep["roles"]] == sorted({0, min(1, pp - 1) * ngpu // pp, (pp - 1) * ngpu // pp})
+    owned = _params_by_pp_rank(cfg, result["_plan"], pp)
+    for role in rep["roles"]:
+        mem = role["memory_gib"]
+        assert 0 < mem["peak"] <= 80, f"{path.name} at {ngpu} GPUs, rank {role['rank']}: {mem}"
+        # the sharded state is what the parameter count says: fp32 parameters of this rank's
+        # stages over the FSDP x TP ranks of a stage
+        n_params = owned[role["rank"] * pp // ngpu]
+        assert mem["parameters"] == pytest.approx(4 * n_params / (ngpu // pp) / 2**30, rel=0.05), role["rank"]
+        assert mem["optimizer"] == pytest.approx(2 * mem["parameters"], rel=0.01)  # parameters include buffers
+        if pp > 1:
+            kinds = {name.split(" ")[0] for name in role["collectives"]}
+            assert {"send[pp]", "recv[pp]"} <= kinds, kinds
     pred = rep["predicted"]
     assert pred["step_s"] > 0 and 0 < pred["mfu_pct"] < 100 and pred["tokens_per_sec_per_gpu"] > 0
 
 
-def _meta_model(cfg, rep):
+def _params_by_pp_rank(cfg, plan, pp: int) -> list[int]:
+    """Parameters each pipeline rank holds: its stages' blocks, the embedding on the first
+    stage's rank, the final norm and output on the last one's."""
+    model = _meta_model(cfg)
+    if plan.stages is None:
+        return [sum(p.numel() for p in model.parameters())]
+    spec, stages = plan.spec, plan.stages
+    owner = {s: r for r in range(pp) for s in stages.stages_of(r, pp)}
+    held = [0] * pp
+    for name, p in model.named_parameters():
+        top, _, rest = name.partition(".")
+        if top == spec.blocks:
+            i = int(rest.split(".")[0])
+            stage = next(s for s, (a, b) in enumerate(stages.blocks) if a <= i < b)
+        else:
+            stage = 0 if top in spec.pre else stages.n_stages - 1
+        held[owner[stage]] += p.numel()
+    return held
+
+
+def _meta_model(cfg):
     import torch
 
     from titanlite.model_spec import model_args

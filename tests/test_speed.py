@@ -88,29 +88,35 @@ def test_tensor_peak_counts_every_free_but_leaves_out_collective_scratch():
 
 
 def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
-    """The benchmark runs 2 FSDP ranks end to end, and the estimator, which allocates nothing,
-    lands within 10% of the tensor peak the profiler measured on every rank."""
+    """The benchmark runs 4 ranks end to end (2 pipeline stages x FSDP 2), and the dry run,
+    which allocates nothing, lands within 10% of the tensor peak the profiler measured on each
+    stage's ranks (the first stage holds the embedding, the last the output and the loss)."""
     import json
 
     from titanlite import config_load
-    from titanlite.tools.estimate import estimate
+    from titanlite.dryrun import dry_run
 
-    job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4"]
+    job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4",
+           "--parallelism.pipeline_parallel_degree", "2"]
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "titanlite.tools.bench", "--ngpu", "2", "--warmup", "1", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "titanlite.tools.bench", "--ngpu", "4", "--warmup", "1", "--steps", "2",
                            "--track-memory", "--out", str(out), *job, "--job.dump_folder", str(tmp_path)],
                           capture_output=True, text=True, env=_env(None), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tok/s/dev" in proc.stdout
     (result,) = json.loads(out.read_text())["results"]
-    tokens_per_step = 4 * 64  # per rank
+    tokens_per_step = 4 * 64 * 2 / 4  # the global batch over the ranks
     assert abs(result["tokens_per_sec_per_device"] * result["ms_per_step"] / 1000 - tokens_per_step) < 1e-6 * tokens_per_step
     assert 0 < result["mfu_pct"] and result["matmul_tflops_measured"] > 0
     cfg, _ = config_load.load(job)
-    est, _ = estimate(cfg, 2)
-    for measured in result["tensor_peak_gib_per_rank"]:
-        rel = abs(est.total / 2**30 - measured) / measured
-        assert rel <= 0.1, f"estimate {est.total / 2**30:.4f} GiB vs measured {measured:.4f} GiB ({rel:.0%})"
+    roles = dry_run(cfg, 4, device="cpu", memory_only=True)["_roles"]
+    assert [r.rank for r in roles] == [0, 2]
+    measured = result["tensor_peak_gib_per_rank"]
+    for role in roles:
+        est = role.peaks[role.peak_phase]["total"] / 2**30
+        for rank in (role.rank, role.rank + 1):  # the stage's two FSDP ranks
+            rel = abs(est - measured[rank]) / measured[rank]
+            assert rel <= 0.1, f"rank {rank}: estimate {est:.4f} GiB vs measured {measured[rank]:.4f} GiB ({rel:.0%})"
 
 
 def test_moe_estimate_matches_measured_peak(tmp_path):

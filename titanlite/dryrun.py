@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 import json
+import multiprocessing as mp
+import os
 import sys
+from functools import partial
 import tempfile
 import time
 
@@ -68,11 +71,13 @@ def depths(n: int, period: int, full: bool) -> tuple[int, int]:
 
 
 def default_roles(dims) -> list[int]:
-    """One rank per distinct kind of work. Without pipeline stages every rank does the same work
-    and rank 0 holds the largest FSDP shard (padding goes to the last ranks). With pipeline
-    parallelism this becomes the first rank of each distinct stage (the first and the last
-    differ from the middle ones by the embedding, the output and the loss)."""
-    return [0]
+    """One rank per distinct kind of work: the first rank of the first, of a middle and of the
+    last pipeline rank (the first and the last hold the embedding, the output and the loss, and
+    the schedule keeps a different number of micro-batches in flight on each). Within a stage
+    every rank does the same work, and its first rank holds the largest FSDP shard (padding
+    goes to the last ranks)."""
+    per_stage = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp
+    return [r * per_stage for r in sorted({0, min(1, dims.pp - 1), dims.pp - 1})]
 
 
 def group_names(meshes) -> dict:
@@ -112,17 +117,39 @@ def fake_routing(parts: list[torch.nn.Module], device: str) -> None:
             experts.register_forward_pre_hook(_cuda_expert_path)
 
 
+def stage_depth(plan: Plan) -> int:
+    """The depth the step is extrapolated in: the model's blocks, or with pipeline stages the
+    smallest stage's (every stage is traced that many blocks short of its real count)."""
+    if plan.stages is None:
+        return plan.args.n_layers
+    return min(b - a for a, b in plan.stages.blocks)
+
+
+def shallow_plan(plan: Plan, k: int) -> Plan:
+    """The plan with `k` blocks, or every pipeline stage (n - k) blocks short (same schedule,
+    placement and micro-batches)."""
+    if plan.stages is None:
+        return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=k))
+    short = stage_depth(plan) - k
+    counts = [b - a - short for a, b in plan.stages.blocks]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    stages = dataclasses.replace(plan.stages, blocks=tuple((s, s + c) for s, c in zip(starts, counts)))
+    return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=sum(counts)), stages=stages)
+
+
 def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
                shallower: tuple[Trace, int] | None = None, device: str = "cuda") -> Trace:
-    """Set the model up with `n_blocks` blocks as train.py does and trace one step.
+    """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
+    trace one step.
 
-    Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 (interior
-    ones, a whole AC period) repeated until the depth is reached, in forward and in backward; what
-    the extra blocks hold from the start is extrapolated from the `shallower` trace."""
+    Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 of each
+    stage (interior ones, a whole AC period) repeated until the depth is reached, in forward and
+    in backward, for every micro-batch; what the extra blocks hold from the start is
+    extrapolated from the `shallower` trace."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
-    t, dims, n = cfg.training, plan.dims, plan.args.n_layers
-    plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=n_blocks))
+    t, dims, n = cfg.training, plan.dims, stage_depth(plan)
+    plan = shallow_plan(plan, n_blocks)
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
     parts = build_parts(plan, meshes, opts, None, t.seed)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
@@ -137,6 +164,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
         params = [p for part in parts for p in part.parameters()]
+        norm_params = [p for p in params if all(p is not m for m in step.mirrors)]
         # trace a steady-state step: AdamW creates its moments in the first step
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -154,9 +182,12 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.track([*params, *buffers, *state, *(v for b in batches for v in b.values())])
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
+        firsts = []  # each part's first block
         for part in parts:
             handles.append(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")))
-            for i, block in getattr(part, plan.spec.blocks).items():
+            blocks = getattr(part, plan.spec.blocks)
+            firsts.append(min(int(i) for i in blocks))
+            for i, block in blocks.items():
                 def backward_mark(mod, inputs, out, i=int(i)):
                     if isinstance(out, torch.Tensor) and out.requires_grad:
                         out.register_hook(lambda grad: tracer.mark(("backward", i)))
@@ -166,7 +197,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             out = step(batches)
             reduce_partial_grads(params)
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
-                grad_sq = local_grad_sq(params, meshes.stage_ranks)
+                grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
             stats = torch.stack([grad_sq, out.loss_sum])
             dist.all_reduce(stats)  # the guard's one world all-reduce: gradient norm and verdict
             if t.max_norm > 0:
@@ -181,12 +212,16 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         if n == n_blocks or shallower is None:
             return tracer.result([*params, *buffers], grads, state)
         m = tracer.marks
-        # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one)
-        repeat = [*zip(m["forward", 2], m["forward", 2 + period]), *zip(m["backward", 1 + period], m["backward", 1])]
-        here = tracer.result([*params, *buffers], grads, state).initial
+        # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one);
+        # with pipeline stages, one pair per micro-batch
+        repeat = [pair for a in firsts for pair in [*zip(m["forward", a + 2], m["forward", a + 2 + period]),
+                                                    *zip(m["backward", a + 1 + period], m["backward", a + 1])]]
+        here = tracer.result([*params, *buffers], grads, state)
         ref, k = shallower
-        extra = {c: (here[c] - ref.initial[c]) * (n - n_blocks) / (n_blocks - k) for c in here}
-        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1, extra)
+        scale = (n - n_blocks) / (n_blocks - k)
+        extra = {c: (here.initial[c] - ref.initial[c]) * scale for c in here.initial}
+        upfront = {c: (here.upfront[c] - ref.upfront[c]) * scale for c in here.upfront}
+        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1, extra, upfront)
 
 
 @dataclasses.dataclass
@@ -237,6 +272,23 @@ def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: 
     return Role(rank, peaks, comms, at(a.flops, b.flops), times, ks)
 
 
+def trace_role(cfg: JobConfig, plan: Plan, world_size: int, ks: tuple[int, int], period: int, device: str,
+               rank: int) -> Role:
+    """Trace rank `rank`'s step at the two depths and extrapolate it to the real one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        meshes = plan.dims.build_meshes("cpu")
+        first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device)
+        second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]),
+                                                         device)
+        return extrapolate((first, second), ks, stage_depth(plan), rank)
+    finally:
+        dist.destroy_process_group()
+
+
 def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full_depth: bool = False,
             device: str = "cuda", memory_only: bool = False) -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step.
@@ -250,30 +302,29 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
-    n = plan.args.n_layers
+    n = stage_depth(plan)
     ks = depths(n, period, full_depth)
     if memory_only and ks[1] == n:
         ks = (n, n)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    roles = []
-    for rank in ranks:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            meshes = dims.build_meshes("cpu")
-            first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device)
-            second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]),
-                                                             device)
-            roles.append(extrapolate((first, second), ks, n, rank))
-        finally:
-            dist.destroy_process_group()
+    args = (cfg, plan, world_size, ks, period, device)
+    if len(ranks) == 1:
+        roles = [trace_role(*args, ranks[0])]
+    else:
+        # a fresh process per role: DTensor caches sharding decisions keyed by mesh layout, which
+        # would hand one role's process groups to the next; forked, they also run side by side
+        with mp.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
+            roles = pool.map(partial(trace_role, *args), ranks, chunksize=1)
     t = cfg.training
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                       "tp": dims.tp, "pp": 1, "ep": dims.ep},
+                       "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
+            "pipeline": None if plan.stages is None else {
+                "schedule": cfg.parallelism.pipeline_parallel_schedule, "stages": plan.stages.n_stages,
+                "microbatches": plan.stages.n_microbatches,
+                "blocks_per_stage": [b - a for a, b in plan.stages.blocks]},
             "_roles": roles, "_plan": plan}
 
 
@@ -281,10 +332,14 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     """The JSON report for one GPU (the roles' traces do not depend on it)."""
     plan, cfg, world = result["_plan"], result["config"], result["world_size"]
     tokens = cfg["global_batch_size"] * cfg["seq_len"]
+    pipe = result["pipeline"]
+    # the schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones
+    bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
+                                          // result["layout"]["pp"])
     roles, step_s = [], 0.0
     for role in result["_roles"]:
         peak = role.peaks[role.peak_phase]
-        step_s = max(step_s, role.times[gpu.name].step())
+        step_s = max(step_s, role.times[gpu.name].step(*bubble))
         roles.append({
             "rank": role.rank, "traced_blocks": list(role.traced_blocks), "peak_phase": role.peak_phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
@@ -293,11 +348,13 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": role.times[gpu.name].step(),
+            "step_s": role.times[gpu.name].step(*bubble),
             "step_terms_s": dataclasses.asdict(role.times[gpu.name])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
-    return {"world_size": world, "layout": result["layout"], "config": cfg, "roles": roles,
+    if pipe is not None:
+        pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
+    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg, "roles": roles,
             "predicted": {"gpu": gpu.name, "step_s": step_s, "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
                           "fits": all(r["memory_gib"]["peak"] <= gpu.memory_gib for r in roles)}}
@@ -309,6 +366,11 @@ def print_table(rep: dict) -> None:
           + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
           + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
           f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}")
+    if rep["pipeline"]:
+        pipe = rep["pipeline"]
+        print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages of {min(pipe['blocks_per_stage'])}-"
+              f"{max(pipe['blocks_per_stage'])} blocks, {pipe['microbatches']} micro-batches; bubble "
+              f"x{pipe['bubble_factor']:.3f} on the busy time")
     for role in rep["roles"]:
         m = role["memory_gib"]
         print(f"rank {role['rank']} (traced {role['traced_blocks'][0]} and {role['traced_blocks'][1]} blocks, "
@@ -359,11 +421,6 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
     """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate
     exceeds what this machine has by more than 10%."""
     if cfg.job.memory_check == "off":
-        return
-    if cfg.parallelism.pipeline_parallel_degree > 1:
-        # a schedule the fake process group cannot run (pipeline send/recv); said once, not skipped silently
-        print("titanlite: note: memory check skipped: the dry run does not trace pipeline stages yet "
-              "(job.memory_check)", file=sys.stderr)
         return
     est, _ = estimate(cfg, world_size, train_device(cfg))
     limit, what = device_limit_gib(local_ranks)

@@ -55,7 +55,9 @@ def get_gpu(name: str) -> GPU:
 # Bytes each rank sends per byte of the full buffer, for ring algorithms on a group of n
 _BUS = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-        "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
+        "broadcast": lambda n: 1.0, "send": lambda n: 1.0,
+        # links are full duplex: a rank receives while it sends, so each transfer is timed once
+        "recv": lambda n: 0.0}
 
 
 def comm_seconds(kind: str, nbytes: float, ranks: tuple[int, ...], gpu: GPU) -> float:
@@ -86,10 +88,12 @@ class StepTimes:
     """Collectives on the critical path (tensor and context parallel, the gradient-norm reduction)."""
     n_blocks: int
 
-    def step(self, pp: int = 1, microbatches: int = 1) -> float:
+    def step(self, pp: int = 1, slots: int = 1) -> float:
         """FSDP's collectives for a block overlap the neighbouring block's compute, so each block
         costs the slower of the two; the root's collectives overlap the rest of the compute.
-        A pipeline adds the schedule's bubble: (pp - 1) idle slots per `microbatches` busy ones."""
+        A pipeline adds the schedule's bubble: (pp - 1) idle slots per `slots` busy ones, where
+        slots is micro-batches x stages per rank (GPipe, 1F1B: micro-batches; interleaved:
+        the bubble divided by the stages per rank)."""
         busy = (self.exposed + self.n_blocks * max(self.compute_block, self.overlapped_block)
                 + max(self.compute_rest, self.overlapped_rest))
-        return busy * (microbatches + pp - 1) / microbatches
+        return busy * (slots + pp - 1) / slots

@@ -37,8 +37,8 @@ _COLLECTIVES = {
     _c10d.allreduce_.default: ("all_reduce", 1, 0),
     _c10d.broadcast_.default: ("broadcast", 1, 0),
     _c10d.alltoall_base_.default: ("all_to_all", 2, 1),
-    _c10d.send.default: ("send_recv", 2, 0),
-    _c10d.recv_.default: ("send_recv", 2, 0),
+    _c10d.send.default: ("send", 1, 0),
+    _c10d.recv_.default: ("recv", 1, 0),
     _fn.all_gather_into_tensor.default: ("all_gather", 2, "out"),
     _fn.reduce_scatter_tensor.default: ("reduce_scatter", 3, 0),
     _fn.all_reduce.default: ("all_reduce", 2, 0),
@@ -110,6 +110,8 @@ class Trace:
     """(FLOPs, bytes read + written) per compute op, for a roofline time estimate."""
     initial: dict[str, int] = field(default_factory=dict)
     """Bytes per category held when the step starts (parameters, optimizer state)."""
+    upfront: dict[str, int] = field(default_factory=dict)
+    """Bytes per category the step allocates before its first block runs, net."""
 
 
 class StepTracer(TorchDispatchMode):
@@ -212,6 +214,10 @@ class StepTracer(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops through this mode
         kwargs = kwargs or {}
+        if func is _ATEN._local_scalar_dense.default and active_fake_mode() is self._fake:
+            # a fake tensor has no value to read; the one read in a step is the pipeline
+            # schedule's first-step vote on static shapes, to which every stage says yes (1)
+            return 1
         if self.phase == "forward" and torch._C._current_autograd_node() is not None:
             self.set_phase("backward")
         # FakeTensorMode's own wait_tensor returns a new tensor; eager waits in place
@@ -252,22 +258,27 @@ class StepTracer(TorchDispatchMode):
         t = out if payload == "out" else args[payload]
         t = t[0] if isinstance(t, (list, tuple)) else t
         t = t[0] if isinstance(t, (list, tuple)) else t
+        if kind in ("send", "recv") and not t.is_floating_point():
+            return  # the schedule's first-step handshake (an integer vote): no part of a steady step
         name = self.group_names.get((kind, pg.group_name)) or self.group_names.get(
             pg.group_name, "world" if pg.size() == dist.get_world_size() else "?")
-        key = (kind, name, self.phase)
+        # a pipeline stage receives the next micro-batch's input while the last one's backward runs
+        phase = "pipeline" if kind in ("send", "recv") else self.phase
+        key = (kind, name, phase)
         if key not in self.comms:
-            self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), self.phase)
+            self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), phase)
         c = self.comms[key]
         c.count += 1
         c.bytes += _nbytes(t)
 
     # ---- after the step
     def result(self, params, grads, optim_state, repeat: list[tuple[int, int]] = (), times: int = 1,
-               extra: dict[str, float] | None = None) -> Trace:
+               extra: dict[str, float] | None = None, upfront: dict[str, float] | None = None) -> Trace:
         """Replay the log with each storage's final category; call before the step's tensors die.
         Each (start, end) slice of the log in `repeat` is replayed `times` times: the step of a
         deeper model, whose extra blocks do exactly what the repeated ones did; `extra` adds
-        what those blocks hold before the step starts (parameters, optimizer state)."""
+        what those blocks hold before the step starts (parameters, optimizer state), `upfront`
+        what the step gathers for them before the first block runs, until the optimizer step."""
         def ids(ts):
             return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
         final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
@@ -280,18 +291,33 @@ class StepTracer(TorchDispatchMode):
         for sid, n in self._initial.items():
             live[category(sid)] += n
         initial = {c: live[c] - (extra or {}).get(c, 0) for c in CATEGORIES}
+        # what the step sets up before any block runs (a multi-stage pipeline schedule gathers
+        # all its stages' parameters up front, and frees them after its last backward)
+        first = min((pos[0] for key, pos in self.marks.items() if key[0] == "forward" and pos), default=0)
+        gathered = defaultdict(int)
+        for _, sid, delta in self.log[:first]:
+            gathered[category(sid)] += delta
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
-        log, last = [], 0
+        log, last = self.log[:first] + [None], first
         for start, end in sorted(repeat):
             log += self.log[last:start] + self.log[start:end] * times
             last = end
-        for phase, sid, delta in log + self.log[last:]:
+        held = {}
+        for entry in log + self.log[last:]:
+            if entry is None or (held and entry[0] == PHASES.index("optimizer")):
+                sign, held = (1, upfront or {}) if entry is None else (-1, {})
+                for c, v in (upfront or {}).items():
+                    live[c] += sign * v
+                if entry is None:
+                    continue
+            phase, sid, delta = entry
             live[category(sid)] += delta
             total = sum(live.values())
             if total > peaks[PHASES[phase]]["total"]:
                 peaks[PHASES[phase]] = {**live, "total": total}
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        return Trace(peaks, list(self.comms.values()), self.flops, self.ops, initial)
+        return Trace(peaks, list(self.comms.values()), self.flops, self.ops, initial,
+                     {c: gathered[c] for c in CATEGORIES})
 
     def start(self) -> None:
         """Mark the sizes counted so far as the step's starting point."""
