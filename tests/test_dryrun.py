@@ -72,7 +72,14 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work():
 
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+# The pipelined 70B and 405B dry runs trace every micro-batch of their schedules and take
+# minutes (about 2.5 and 6 on CI's two cores), more than the suite's budget: `pytest -m slow`
+# runs them. They drop the mark once the dry run replays pipeline micro-batches as it does blocks.
+SLOW = {"llama_70b", "llama_405b"}
+SHIPPED = [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in CONFIGS]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_fits_at_its_intended_scale(path):
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])
