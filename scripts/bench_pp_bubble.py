@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titanlite import init
 from titanlite.config import ActivationCheckpoint, Compile, Parallelism
 from titanlite.loss import cross_entropy_sum
 from titanlite.model_spec import get_model_spec, model_args
@@ -67,7 +68,10 @@ def run_pipeline(schedule: str, m: int) -> None:
     cfg = Parallelism(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
                       pipeline_parallel_microbatch_size=MICRO)
     plan = pipeline.plan_stages(cfg, args.n_layers, m * MICRO)
-    parts = pipeline.build_parts(spec, args, plan, meshes, OPTS, torch.device("cpu"), 0)
+    with torch.device("meta"):
+        parts = pipeline.stage_modules(spec, args, plan, meshes)
+    for part in parts:
+        init.materialize(part, torch.device("cpu"), 0)
     step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, OPTS, None,
                                  contextlib.nullcontext(), torch.device("cpu"),
                                  pipeline.stage_shapes(spec, args, MICRO, SEQ, dims, OPTS))
