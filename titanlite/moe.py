@@ -267,8 +267,11 @@ def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None, stages:
     sums = torch.stack([ratio.sum(), loads.new_tensor(float(len(moes))), bias_sq])
     worst = ratio.max() if moes else loads.new_zeros(())
     if stages is not None:
-        dist.all_reduce(sums, group=stages)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=stages)
+        # one collective per step: every stage's [ratio sum, layers, bias norm^2, worst ratio]
+        every = [torch.empty(4, device=loads.device) for _ in range(dist.get_world_size(stages))]
+        dist.all_gather(every, torch.stack([*sums, worst]), group=stages)
+        every = torch.stack(every)
+        sums, worst = every[:, :3].sum(0), every[:, 3].max()
     return {"moe_load_max_over_mean_worst": worst, "moe_load_max_over_mean_avg": sums[0] / sums[1].clamp(min=1),
             "moe_router_bias_norm": sums[2].sqrt()}
 
