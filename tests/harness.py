@@ -1,9 +1,12 @@
 """Launch the real trainer on N gloo ranks and read back what rank 0 logged.
 
-Ranks are started as the plain processes torchrun would start (RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT set), without its agent: the agent costs seconds of start-up per launch, and
-the suite launches a few hundred times. A rank that fails takes the others down at once, as
-torchrun does. The launcher path itself is tested through run_train.sh and plain torchrun.
+Ranks get the environment torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT), without its agent. They are forked from a server process that has already
+imported torch and titanlite: a fresh interpreter spends about five CPU seconds importing them,
+and the suite starts a few hundred ranks on two cores. Each rank then runs its module or script
+as `__main__`, as `python -m` would, with its own environment, working directory and log. A rank
+that fails takes the others down at once, as torchrun does. A fresh interpreter per rank is
+still tested: run_train.sh, plain torchrun and the fault tests start their ranks that way.
 
 gloo ranks sometimes abort (SIGABRT) inside destroy_process_group() after all work is done.
 A run counts as passed when every rank exits 0, or aborts with SIGABRT after writing its done
@@ -12,8 +15,12 @@ marker. Anything else fails.
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
 import os
+import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,25 +97,72 @@ def _finished(run: Run, nproc: int) -> bool:
     return all(c == 0 or (c == -signal.SIGABRT and _done(run.dump, r)) for r, c in enumerate(run.codes))
 
 
+# What a rank would import anyway; the fork server imports it once.
+_PRELOAD = ["titanlite.train", "titanlite.dryrun", "torch.distributed.pipelining", "torch.distributed.checkpoint"]
+_FORKS = multiprocessing.get_context("forkserver")
+_started = False
+
+
+def _fork_server_running() -> None:
+    """Start the fork server with the ranks' base environment (OMP_NUM_THREADS among it is read
+    when torch is imported) and this repository first on its path."""
+    global _started
+    if _started:
+        return
+    if sys.path[0] != str(REPO):
+        sys.path.insert(0, str(REPO))
+    saved = dict(os.environ)
+    os.environ.update(_env(None))
+    try:
+        _FORKS.set_forkserver_preload(_PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _started = True
+
+
+def _run_rank(cmd: list[str], env: dict[str, str], log: str) -> None:
+    """Child side: become `python *cmd` with `env`, writing to `log`."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        if cmd[0] == "-m":
+            sys.argv = cmd[1:]
+            runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(cmd)
+            runpy.run_path(cmd[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # a forked child skips interpreter shutdown, so run what it would
+
+
 def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, timeout: int = 600,
                 dump: Path | None = None) -> tuple[list[int], str]:
-    """Run `cmd` as `nproc` ranks; return their exit statuses and their output, rank by rank.
-    Once a rank fails, the others get FAIL_GRACE_S to end on their own (to say their error
+    """Run `python *cmd` as `nproc` ranks; return their exit statuses and their output, rank by
+    rank. Once a rank fails, the others get FAIL_GRACE_S to end on their own (to say their error
     too, or notice the lost peer), then are killed. With a dump folder, a SIGABRT after the
     rank's done marker is teardown, not failure."""
+    _fork_server_running()
     port = free_port()
-    logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env({**rank_env(r, nproc, port), **(env or {})}),
-                              stdout=logs[r], stderr=subprocess.STDOUT) for r in range(nproc)]
+    logs = tempfile.mkdtemp(prefix="titanlite-logs-")
+    procs = [_FORKS.Process(target=_run_rank, args=(cmd, _env({**rank_env(r, nproc, port), **(env or {})}),
+                                                     f"{logs}/rank-{r}.log")) for r in range(nproc)]
+    for p in procs:
+        p.start()
 
     def failed(r: int, code: int | None) -> bool:
         return code not in (None, 0) and not (code == -signal.SIGABRT and dump is not None and _done(dump, r))
 
     deadline, grace_end = time.monotonic() + timeout, None
     try:
-        while any(p.poll() is None for p in procs):
+        while any(p.exitcode is None for p in procs):
             now = time.monotonic()
-            if grace_end is None and any(failed(r, p.returncode) for r, p in enumerate(procs)):
+            if grace_end is None and any(failed(r, p.exitcode) for r, p in enumerate(procs)):
                 grace_end = now + FAIL_GRACE_S
             if grace_end is not None and now > grace_end:
                 break
@@ -117,15 +171,13 @@ def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, t
             time.sleep(0.05)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-            p.wait()
-    output = ""
-    for log in logs:
-        log.seek(0)
-        output += log.read()
-        log.close()
-    return [p.returncode for p in procs], output
+            p.join()
+    files = [Path(logs, f"rank-{r}.log") for r in range(nproc)]
+    output = "".join(f.read_text() for f in files if f.exists())
+    shutil.rmtree(logs)
+    return [p.exitcode for p in procs], output
 
 
 def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str, str] | None = None,
@@ -133,7 +185,7 @@ def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str,
     """Run `python -m titanlite.train` (or a test wrapper of it) on `nproc` ranks and return the
     outcome without judging it: returncode is the first failing rank's status, else 0."""
     dump = dump or Path(tempfile.mkdtemp(prefix="titanlite-"))
-    codes, output = spawn_ranks(nproc, [sys.executable, "-m", module, "--job.dump_folder", str(dump), *args],
+    codes, output = spawn_ranks(nproc, ["-m", module, "--job.dump_folder", str(dump), *args],
                                 env, timeout, dump)
     return Run(next((c for c in codes if c), 0), output, dump, codes)
 
@@ -173,7 +225,7 @@ def assert_grad_parity(model: str, nproc: int, args: list[str]) -> None:
     Loss curves barely feel small replicated weights (norms): a gradient left unreduced
     across tensor-parallel ranks can pass loss parity and still be wrong.
     """
-    codes, output = spawn_ranks(nproc, [sys.executable, str(REPO / "tests" / "grad_parity.py"), model, *args],
+    codes, output = spawn_ranks(nproc, [str(REPO / "tests" / "grad_parity.py"), model, *args],
                                 timeout=300)
     layouts = args.count("+") + 1  # several layouts can share one launch
     assert output.count("worst relative diff") == nproc * layouts and "MISMATCH" not in output, \
