@@ -6,7 +6,7 @@ imported torch and titanlite: a fresh interpreter spends about five CPU seconds 
 and the suite starts a few hundred ranks on two cores. Each rank then runs its module or script
 as `__main__`, as `python -m` would, with its own environment, working directory and log. A rank
 that fails takes the others down at once, as torchrun does. A fresh interpreter per rank is
-still tested: run_train.sh, plain torchrun and the fault tests start their ranks that way.
+still tested: run_train.sh and plain torchrun start their ranks that way.
 
 gloo ranks sometimes abort (SIGABRT) inside destroy_process_group() after all work is done.
 A run counts as passed when every rank exits 0, or aborts with SIGABRT after writing its done
@@ -98,7 +98,8 @@ def _finished(run: Run, nproc: int) -> bool:
 
 
 # What a rank would import anyway; the fork server imports it once.
-_PRELOAD = ["titanlite.train", "titanlite.dryrun", "torch.distributed.pipelining", "torch.distributed.checkpoint"]
+_PRELOAD = ["titanlite.train", "titanlite.dryrun", "torch.distributed.pipelining", "torch.distributed.checkpoint",
+            "torch._inductor.compile_fx"]
 _FORKS = multiprocessing.get_context("forkserver")
 _started = False
 
@@ -141,28 +142,56 @@ def _run_rank(cmd: list[str], env: dict[str, str], log: str) -> None:
         atexit._run_exitfuncs()  # a forked child skips interpreter shutdown, so run what it would
 
 
+@dataclass
+class Forked:
+    """A forked rank, with the part of subprocess.Popen's interface the tests use."""
+    proc: multiprocessing.process.BaseProcess
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.proc.pid}", timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+
+def fork_ranks(nproc: int, cmd: list[str], logs: list[Path], env: dict[str, str] | None = None) -> list[Forked]:
+    """Start `python *cmd` as `nproc` ranks on a fresh local port, rank r writing to logs[r]."""
+    _fork_server_running()
+    port = free_port()
+    procs = [_FORKS.Process(target=_run_rank, args=(cmd, _env({**rank_env(r, nproc, port), **(env or {})}),
+                                                     str(logs[r]))) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    return [Forked(p) for p in procs]
+
+
 def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, timeout: int = 600,
                 dump: Path | None = None) -> tuple[list[int], str]:
     """Run `python *cmd` as `nproc` ranks; return their exit statuses and their output, rank by
     rank. Once a rank fails, the others get FAIL_GRACE_S to end on their own (to say their error
     too, or notice the lost peer), then are killed. With a dump folder, a SIGABRT after the
     rank's done marker is teardown, not failure."""
-    _fork_server_running()
-    port = free_port()
-    logs = tempfile.mkdtemp(prefix="titanlite-logs-")
-    procs = [_FORKS.Process(target=_run_rank, args=(cmd, _env({**rank_env(r, nproc, port), **(env or {})}),
-                                                     f"{logs}/rank-{r}.log")) for r in range(nproc)]
-    for p in procs:
-        p.start()
+    logs = Path(tempfile.mkdtemp(prefix="titanlite-logs-"))
+    files = [logs / f"rank-{r}.log" for r in range(nproc)]
+    procs = fork_ranks(nproc, cmd, files, env)
 
     def failed(r: int, code: int | None) -> bool:
         return code not in (None, 0) and not (code == -signal.SIGABRT and dump is not None and _done(dump, r))
 
     deadline, grace_end = time.monotonic() + timeout, None
     try:
-        while any(p.exitcode is None for p in procs):
+        while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            if grace_end is None and any(failed(r, p.exitcode) for r, p in enumerate(procs)):
+            if grace_end is None and any(failed(r, p.poll()) for r, p in enumerate(procs)):
                 grace_end = now + FAIL_GRACE_S
             if grace_end is not None and now > grace_end:
                 break
@@ -171,13 +200,12 @@ def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, t
             time.sleep(0.05)
     finally:
         for p in procs:
-            if p.exitcode is None:
+            if p.poll() is None:
                 p.kill()
-            p.join()
-    files = [Path(logs, f"rank-{r}.log") for r in range(nproc)]
+            p.wait()
     output = "".join(f.read_text() for f in files if f.exists())
     shutil.rmtree(logs)
-    return [p.exitcode for p in procs], output
+    return [p.poll() for p in procs], output
 
 
 def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str, str] | None = None,

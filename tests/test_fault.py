@@ -1,7 +1,7 @@
 """Faults on a live gloo job: non-finite steps, preemption signals, dead and hung ranks, profiling.
 
-Ranks are started as plain processes (no torchrun agent that would kill the survivors for
-us), as on a multi-node job where the failed rank is elsewhere. Each test is bounded.
+Ranks are started without a torchrun agent that would kill the survivors for us, as on a
+multi-node job where the failed rank is elsewhere. Each test is bounded.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, TINY, _env, free_port, launch, rank_env, train
+from harness import REPO, TINY, Forked, _env, fork_ranks, launch, train
 
 from titanlite.checkpoint import load_tensors
 
@@ -28,7 +28,7 @@ LIMIT_S = 120
 
 @dataclass
 class Ranks:
-    procs: list[subprocess.Popen]
+    procs: list[Forked]
     dump: Path
 
     def log(self, rank: int) -> str:
@@ -54,15 +54,9 @@ class Ranks:
 
 def spawn(nproc: int, args: list[str], dump: Path, faults: str = "") -> Ranks:
     """Start `nproc` trainer processes that rendezvous on a fresh local port."""
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = _env({**rank_env(rank, nproc, port), "TITANLITE_FAULTS": faults})
-        log = open(dump / f"rank-{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump),
-                                       *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    return Ranks(procs, dump)
+    logs = [dump / f"rank-{rank}.log" for rank in range(nproc)]
+    return Ranks(fork_ranks(nproc, ["-m", "titanlite.train", "--job.dump_folder", str(dump), *args], logs,
+                            {"TITANLITE_FAULTS": faults}), dump)
 
 
 def _errors(text: str) -> list[str]:

@@ -25,11 +25,11 @@ def run_sh(args, ngpu=1, timeout=600):
 
 
 def test_default_job_loss_falls_and_metrics_are_written(tmp_path):
-    """The README's quick start (the default config), cut from 100 steps to 30 to save CI minutes."""
-    proc, _ = run_sh(["--job.dump_folder", str(tmp_path), "--job.run_name", "r", "--training.steps", "30"])
+    """The README's quick start (the default config), cut from 100 steps to 20 to save CI minutes."""
+    proc, _ = run_sh(["--job.dump_folder", str(tmp_path), "--job.run_name", "r", "--training.steps", "20"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 10, 20, 30]
+    assert [r["step"] for r in rows] == [1, 10, 20]
     assert all(set(r) == KEYS for r in rows)
     assert rows[-1]["loss"] < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
     events = EventAccumulator(str(tmp_path / "tb" / "r"))

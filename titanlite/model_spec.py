@@ -26,7 +26,8 @@ def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], Any]]:
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
-    """Flavor name -> the family's ModelArgs dataclass."""
+    """Flavor name -> the family's ModelArgs dataclass; its `n_layers` field is the number of
+    blocks (pipeline shapes and the dry run build shallower copies through it)."""
     build: Callable[[Any], nn.Module]
     """ModelArgs -> single-device model, built on whatever device is current (meta). Its
     forward(tokens, ctx) returns logits; it must also run when the `pre` modules are

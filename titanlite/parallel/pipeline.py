@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -185,12 +185,13 @@ class StageShapes:
 
 def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
                  opts: ParallelizeOptions) -> StageShapes:
-    """Found by running the whole model on meta tensors, so a family declares nothing more."""
+    """Found by running a one-block copy of the model on meta tensors, so a family declares
+    nothing more (blocks keep the residual stream's shape, so one stands for any number)."""
     with torch.device("meta"):
-        model = spec.build(args)
+        model = spec.build(replace(args, n_layers=1))
         tokens = torch.zeros(microbatch_size, seq_len // dims.cp, dtype=torch.long)
         logits = model(tokens)
-        hidden = cut(model, spec, 0, len(getattr(model, spec.blocks)), True, False)(tokens)
+        hidden = cut(model, spec, 0, 1, True, False)(tokens)
     rows, seq, dim = hidden.shape
     if dims.tp > 1 and opts.sequence_parallel:
         seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
