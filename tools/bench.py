@@ -129,7 +129,9 @@ def tensor_memory_peak(enabled: bool, out: dict):
 def _peak_bytes(roots: list, device: str) -> int:
     """Replay allocations and frees in time order, leaving out the scratch copies gloo makes
     inside collectives: NCCL makes none, and gloo's worker thread, which the profiler does not
-    see, often frees them, so counting them would leak their bytes at random."""
+    see, often frees them, so counting them would leak their bytes at random. That thread can
+    also drop the last reference to a tensor the main thread allocated (a reduce-scatter input);
+    an address allocated again proves the block that lived there was freed unseen."""
     from torch._C._profiler import _ExtraFields_Allocation
 
     events, stack = [], [(node, False) for node in roots]
@@ -141,17 +143,21 @@ def _peak_bytes(roots: list, device: str) -> int:
         in_collective = in_collective or node.name.startswith(("c10d::", "gloo:"))
         stack.extend((child, in_collective) for child in node.children)
     scratch: set[int] = set()
+    held: dict[int, int] = {}  # address -> bytes of the counted block living there
     live = peak = 0
     for _, ptr, nbytes, in_collective in sorted(events, key=lambda e: e[0]):
-        if nbytes > 0 and in_collective:
-            scratch.add(ptr)
-        elif nbytes > 0:
-            scratch.discard(ptr)  # the scratch copy that lived here was freed unseen
-            live += nbytes
+        if nbytes > 0:
+            scratch.discard(ptr)  # a scratch copy that lived here was freed unseen
+            live -= held.pop(ptr, 0)  # so was a counted block
+            if in_collective:
+                scratch.add(ptr)
+            else:
+                held[ptr] = nbytes
+                live += nbytes
         elif ptr in scratch:
             scratch.discard(ptr)
-        else:
-            live += nbytes
+        elif ptr in held:
+            live -= held.pop(ptr)
         peak = max(peak, live)
     return peak
 
