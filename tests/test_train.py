@@ -110,8 +110,9 @@ def test_bad_input_under_plain_torchrun_exits_on_every_rank(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and time.monotonic() - start < 30
     # Each rank says the error itself, unless torchrun's agent, seeing the other rank fail
-    # first, ended it (SIGTERM, listed in the agent's failure report) before it got there.
+    # first, ended it (SIGTERM, listed in the agent's failure report) before it got there. A
+    # rank can do both: say it, then be ended while it exits.
     suffix = {0: "$", 1: r" \[rank 1\]"}
     said = [r for r in (0, 1) if re.search(r"titanlite: error: data\.path: .* does not exist" + suffix[r], output, re.M)]
     ended = [r for r in (0, 1) if re.search(rf"rank\s*: {r} \(local_rank: {r}\)\s*\n\s*exitcode\s*: -15 ", output)]
-    assert said and sorted(said + ended) == [0, 1], output
+    assert said and set(said) | set(ended) == {0, 1}, output
