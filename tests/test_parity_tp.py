@@ -69,8 +69,8 @@ def test_run_train_sh_tp_matches_one_gpu():
                           capture_output=True, text=True, env=_env({"NGPU": "2"}), cwd=REPO, timeout=600)
     done = all((dump / "status" / f"rank-{r}.done").exists() for r in range(2))
     assert proc.returncode == 0 or done, proc.stdout[-3000:] + proc.stderr[-3000:]
-    four = [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert_parity(reference([*GLOBAL4, "--training.local_batch_size", "4"]).losses, four)
+    two = [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert_parity(reference([*GLOBAL4, "--training.local_batch_size", "4"]).losses, two)
 
 
 @pytest.mark.parametrize("extra,world,message", [
