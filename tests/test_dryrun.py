@@ -40,14 +40,9 @@ def test_shallow_trace_replayed_equals_every_block(monkeypatch):
                           "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
                           "--activation_checkpoint.selective_type", "layer", "--activation_checkpoint.selective_every", "2"])
     (short,) = dry_run(cfg, 4)["_roles"]
-    (full,) = dry_run(cfg, 4, full_depth=True)["_roles"]
+    (full,) = dry_run(cfg, 4, full=True)["_roles"]
     assert short.traced_blocks == (4, 6) and full.traced_blocks == (6, 8)
-    for phase in PHASES:
-        assert short.peaks[phase] == pytest.approx(full.peaks[phase], rel=1e-9), phase
-    assert short.comms.keys() == full.comms.keys()
-    for key, c in full.comms.items():
-        assert short.comms[key]["count"] == c["count"] and short.comms[key]["bytes"] == pytest.approx(c["bytes"]), key
-    assert short.flops == pytest.approx(full.flops, rel=1e-12)
+    _assert_same_trace(short, full)
 
 
 def test_flops_match_the_model_formula_and_layout_divides_the_work():
@@ -72,14 +67,44 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work():
 
 
 
-# The pipelined 70B and 405B dry runs trace every micro-batch of their schedules and take
-# minutes (about 2.5 and 6 on CI's two cores), more than the suite's budget: `pytest -m slow`
-# runs them. They drop the mark once the dry run replays pipeline micro-batches as it does blocks.
-SLOW = {"llama_70b", "llama_405b"}
-SHIPPED = [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in CONFIGS]
+def _assert_same_trace(a, b) -> None:
+    for phase in PHASES:
+        assert a.peaks[phase] == pytest.approx(b.peaks[phase], rel=1e-9), phase
+    assert a.comms.keys() == b.comms.keys()
+    for key, c in b.comms.items():
+        assert a.comms[key]["count"] == c["count"] and a.comms[key]["bytes"] == pytest.approx(c["bytes"]), key
+    assert a.flops == pytest.approx(b.flops, rel=1e-12)
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pipeline_microbatch_replay_equals_every_microbatch(schedule, monkeypatch):
+    """pp 2 x FSDP 2 with 8 micro-batches: three traced per stage and the rest counted as copies
+    (titanlite.pptrace), against every micro-batch traced, at the same depths: the same peaks per
+    phase and category, collectives and FLOPs, on the first and the last pipeline rank.
+    Interleaved1F1B places two stages per rank and recomputes under full AC."""
+    from titanlite import dryrun
+
+    spec = get_model_spec("llama3")
+    monkeypatch.setitem(spec.flavors, "debug10", dataclasses.replace(spec.flavors["debugmodel"], n_layers=10))
+    more = (["--parallelism.pipeline_parallel_layers_per_stage", "3", "--activation_checkpoint.mode", "full"]
+            if schedule == "Interleaved1F1B" else [])
+    cfg, _ = config.load(["--model.flavor", "debug10", "--training.seq_len", "64", "--training.local_batch_size", "8",
+                          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                          schedule, "--parallelism.pipeline_parallel_microbatch_size", "1", *more])
+    replayed = dry_run(cfg, 4)["_roles"]
+    monkeypatch.setattr(dryrun, "skip_microbatches", lambda *args: None)
+    every = dry_run(cfg, 4)["_roles"]
+    assert [r.rank for r in replayed] == [0, 2]
+    # 5 of 8 micro-batches skipped on each stage: its forward and backward calls (and the last
+    # stage's loss) counted as copies; Interleaved1F1B holds stages 0 and 2, 1 and 3
+    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    assert [r.copied_calls for r in replayed] == [5 * 2 * per_rank, 5 * (2 * per_rank + 1)]
+    assert [r.copied_calls for r in every] == [0, 0]
+    for a, b in zip(replayed, every):
+        _assert_same_trace(a, b)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_fits_at_its_intended_scale(path):
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])

@@ -10,8 +10,9 @@ clipping, AdamW). titanlite.steptrace watches it: peak memory by category, colle
 FLOPs. titanlite.hardware turns that into a predicted step time for a named GPU.
 
 Blocks are identical, so the step is traced at two depths (e.g. 2 and 3 blocks) and every
-quantity is extrapolated linearly to the model's depth (per activation-checkpointing period
-for `selective` layer AC); `--full-depth` traces every block instead. See docs/scaling.md.
+quantity is extrapolated linearly to the model's depth (per activation-checkpointing period for
+`selective` layer AC); a pipeline stage runs three micro-batches and counts the others as copies
+(titanlite.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.pptrace import skip_microbatches
 from titanlite.preflight import Plan, preflight
 from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
@@ -138,14 +140,14 @@ def shallow_plan(plan: Plan, k: int) -> Plan:
 
 
 def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
-               shallower: tuple[Trace, int] | None = None, device: str = "cuda") -> Trace:
+               shallower: tuple[Trace, int] | None = None, device: str = "cuda", full: bool = False) -> Trace:
     """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
     trace one step.
 
     Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 of each
-    stage (interior ones, a whole AC period) repeated until the depth is reached, in forward and
-    in backward, for every micro-batch; what the extra blocks hold from the start is
-    extrapolated from the `shallower` trace."""
+    stage (a whole AC period) repeated to that depth, in forward and backward, for each traced
+    micro-batch (three per stage unless `full`: titanlite.pptrace); what the extra blocks hold
+    from the start is extrapolated from the `shallower` trace."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
     t, dims, n = cfg.training, plan.dims, stage_depth(plan)
@@ -162,6 +164,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
+        if plan.stages is not None and not full:
+            skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
         params = [p for part in parts for p in part.parameters()]
         norm_params = [p for p in params if all(p is not m for m in step.mirrors)]
@@ -234,6 +238,7 @@ class Role:
     flops: float
     times: dict[str, hardware.StepTimes]
     traced_blocks: tuple[int, int]
+    copied_calls: int  # pipeline calls counted as copies in the deeper trace (titanlite.pptrace)
 
     @property
     def peak_phase(self) -> str:
@@ -269,11 +274,11 @@ def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: 
         cb_, cr = split(hardware.compute_seconds(a.ops, gpu), hardware.compute_seconds(b.ops, gpu))
         ob, orest = split(comm_s(a, True), comm_s(b, True))
         times[gpu.name] = hardware.StepTimes(cb_, cr, ob, orest, at(comm_s(a, False), comm_s(b, False)), n)
-    return Role(rank, peaks, comms, at(a.flops, b.flops), times, ks)
+    return Role(rank, peaks, comms, at(a.flops, b.flops), times, ks, b.copied)
 
 
 def trace_role(cfg: JobConfig, plan: Plan, world_size: int, ks: tuple[int, int], period: int, device: str,
-               rank: int) -> Role:
+               full: bool, rank: int) -> Role:
     """Trace rank `rank`'s step at the two depths and extrapolate it to the real one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -281,15 +286,15 @@ def trace_role(cfg: JobConfig, plan: Plan, world_size: int, ks: tuple[int, int],
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         meshes = plan.dims.build_meshes("cpu")
-        first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device)
+        first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device, full=full)
         second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]),
-                                                         device)
+                                                         device, full)
         return extrapolate((first, second), ks, stage_depth(plan), rank)
     finally:
         dist.destroy_process_group()
 
 
-def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full_depth: bool = False,
+def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full: bool = False,
             device: str = "cuda", memory_only: bool = False) -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step.
     `memory_only` skips the shallower trace where the deeper one is the whole model (it only
@@ -303,10 +308,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
     n = stage_depth(plan)
-    ks = depths(n, period, full_depth)
-    if memory_only and ks[1] == n:
-        ks = (n, n)
-    args = (cfg, plan, world_size, ks, period, device)
+    ks = (n, n) if memory_only and depths(n, period, full)[1] == n else depths(n, period, full)
+    args = (cfg, plan, world_size, ks, period, device, full)
     if len(ranks) == 1:
         roles = [trace_role(*args, ranks[0])]
     else:
@@ -341,7 +344,8 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
         peak = role.peaks[role.peak_phase]
         step_s = max(step_s, role.times[gpu.name].step(*bubble))
         roles.append({
-            "rank": role.rank, "traced_blocks": list(role.traced_blocks), "peak_phase": role.peak_phase,
+            "rank": role.rank, "traced_blocks": list(role.traced_blocks), "copied_calls": role.copied_calls,
+            "peak_phase": role.peak_phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
             "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
             "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
@@ -374,7 +378,7 @@ def print_table(rep: dict) -> None:
     for role in rep["roles"]:
         m = role["memory_gib"]
         print(f"rank {role['rank']} (traced {role['traced_blocks'][0]} and {role['traced_blocks'][1]} blocks, "
-              f"peak during {role['peak_phase']}):")
+              f"{role['copied_calls']} pipeline calls copied, peak during {role['peak_phase']}):")
         for c in (*CATEGORIES, "peak"):
             print(f"  {c:<14} {m[c]:9.2f} GiB")
         print(f"  {'collective':<34} {'count':>7} {'GiB':>10}")
@@ -388,12 +392,9 @@ def print_table(rep: dict) -> None:
 
 @dataclass(frozen=True)
 class Estimate:
-    categories: dict[str, float]
-    """Bytes per category live at the peak."""
-    total: float
-    """The per-rank peak in bytes (the largest over the traced roles)."""
-    phase: str
-    """The part of the step where the peak falls: forward, backward or optimizer."""
+    categories: dict[str, float]  # bytes per category live at the peak
+    total: float  # the per-rank peak in bytes (the largest over the traced roles)
+    phase: str  # the part of the step where the peak falls: forward, backward or optimizer
 
 
 def train_device(cfg: JobConfig) -> str:
@@ -440,8 +441,8 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         key = name[2:].replace("-", "_")
-        if name == "--full-depth":
-            opts["full_depth"] = True
+        if name == "--full":
+            opts["full"] = True
         elif name.startswith("--") and key in opts:
             if not eq:
                 if i + 1 >= len(argv):
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]))
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
-        rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full_depth", False)), gpu)
+        rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full", False)), gpu)
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         sys.exit(2)

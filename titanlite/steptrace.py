@@ -11,9 +11,10 @@ phase's peak and what it was made of.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,8 @@ class Trace:
     """Bytes per category held when the step starts (parameters, optimizer state)."""
     upfront: dict[str, int] = field(default_factory=dict)
     """Bytes per category the step allocates before its first block runs, net."""
+    copied: int = 0
+    """Calls the step skipped and counted as copies of another (titanlite.pptrace)."""
 
 
 class StepTracer(TorchDispatchMode):
@@ -131,8 +134,10 @@ class StepTracer(TorchDispatchMode):
         self.comm_touched: set[int] = set()
         self.resized: set[int] = set()
         self.comms: dict[tuple, Comm] = {}
+        self.comm_log: list[tuple[tuple, int]] = []  # (key into comms, bytes) per collective
         self.ops: list[tuple[int, int]] = []
-        self.flops = 0
+        self.spans: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int], str]] = {}
+        self.copies: list[tuple[tuple[int, int, int], tuple]] = []  # (where, key of the span to copy)
         self.live = False
         self.muted = 0
         self.marks: dict[tuple, list[int]] = defaultdict(list)
@@ -167,6 +172,45 @@ class StepTracer(TorchDispatchMode):
     def mark(self, key: tuple) -> None:
         """Remember this point of the log (e.g. a block's forward starts), once per occurrence."""
         self.marks[key].append(len(self.log))
+
+    def cursor(self) -> tuple[int, int, int]:
+        return len(self.log), len(self.ops), len(self.comm_log)
+
+    @contextlib.contextmanager
+    def span(self, key: tuple):
+        """Remember what the body logs (memory, ops, collectives) under `key`."""
+        start = self.cursor()
+        yield
+        self.spans[key] = (start, self.cursor(), self.phase)
+
+    def copy(self, key: tuple) -> None:
+        """Count here, once more, what the span `key` logged: work the step skipped because it
+        repeats that span exactly (a pipeline micro-batch like another; titanlite.pptrace)."""
+        self.copies.append((self.cursor(), key))
+        self.set_phase(self.spans[key][2])
+
+    def storage_id(self, t: torch.Tensor) -> int:
+        return self._id(t.to_local() if isinstance(t, DTensor) else t)
+
+    def ghost(self, t: torch.Tensor, like: int | None = None) -> torch.Tensor:
+        """A tensor like `t` that holds no counted memory: a stand-in for what a copied span
+        returned. Passing `like` (the storage id of the span's own result) makes the stand-in's
+        death free what that storage holds, if the span allocated it and it outlives the span."""
+        self.muted += 1
+        try:
+            g = torch.empty_like(t)
+        finally:
+            self.muted -= 1
+        st = (g.to_local() if isinstance(g, DTensor) else g).untyped_storage()
+        self.sid[st] = len(self.sizes)
+        self.sizes[len(self.sizes)] = 0
+        if like is not None:
+            weakref.finalize(st, self._ghost_freed, like)
+        return g
+
+    def _ghost_freed(self, sid: int) -> None:
+        if self.live:
+            self.log.append((PHASES.index(self.phase), sid, None))  # resolved in result()
 
     def set_phase(self, phase: str) -> None:
         if phase == "backward" and self.phase == "forward":
@@ -242,7 +286,6 @@ class StepTracer(TorchDispatchMode):
             if fn is not None:
                 flops = (fn(func, args, out) if func in _EXTRA_FLOPS
                          else fn(*args, **kwargs, out_val=out))
-            self.flops += flops
             self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
         return out
 
@@ -267,9 +310,7 @@ class StepTracer(TorchDispatchMode):
         key = (kind, name, phase)
         if key not in self.comms:
             self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), phase)
-        c = self.comms[key]
-        c.count += 1
-        c.bytes += _nbytes(t)
+        self.comm_log.append((key, _nbytes(t)))
 
     # ---- after the step
     def result(self, params, grads, optim_state, repeat: list[tuple[int, int]] = (), times: int = 1,
@@ -298,12 +339,38 @@ class StepTracer(TorchDispatchMode):
         for _, sid, delta in self.log[:first]:
             gathered[category(sid)] += delta
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
-        log, last = self.log[:first] + [None], first
-        for start, end in sorted(repeat):
-            log += self.log[last:start] + self.log[start:end] * times
-            last = end
+        repeat, used = sorted(repeat), set()
+
+        def expand(a: int, b: int) -> list:
+            """log[a:b] with each repeated slice inside it `times` times."""
+            out = []
+            for start, end in repeat:
+                if a <= start and end <= b:
+                    out += self.log[a:start] + self.log[start:end] * times
+                    a = end
+                    used.add((start, end))
+            return out + self.log[a:b]
+
+        # a copied span's result that outlives it (held by the schedule) dies with its stand-in,
+        # unless it is still alive now (held until the step ends, as the copies' would be)
+        inside = defaultdict(int)
+        for (a, _, _), (b, _, _), _ in self.spans.values():
+            for _, sid, delta in self.log[a:b]:
+                inside[sid] += delta or 0
+        self.log = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
+                    for e in self.log]
+        # None: where the up-front gathers of the extra blocks go
+        inserts = [(first, [None])] + [(at[0], expand(self.spans[key][0][0], self.spans[key][1][0]))
+                                       for at, key in self.copies]
+        log, last = [], 0
+        for at, entries in sorted(inserts, key=lambda x: x[0]):
+            log += expand(last, at) + entries
+            last = at
+        log += expand(last, len(self.log))
+        if used != set(repeat):
+            raise RuntimeError("a repeated block's slice of the log straddles a skipped pipeline call")
         held = {}
-        for entry in log + self.log[last:]:
+        for entry in log:
             if entry is None or (held and entry[0] == PHASES.index("optimizer")):
                 sign, held = (1, upfront or {}) if entry is None else (-1, {})
                 for c, v in (upfront or {}).items():
@@ -316,8 +383,17 @@ class StepTracer(TorchDispatchMode):
             if total > peaks[PHASES[phase]]["total"]:
                 peaks[PHASES[phase]] = {**live, "total": total}
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        return Trace(peaks, list(self.comms.values()), self.flops, self.ops, initial,
-                     {c: gathered[c] for c in CATEGORIES})
+        comm_log, ops = list(self.comm_log), list(self.ops)
+        for _, key in self.copies:
+            (_, o1, c1), (_, o2, c2), _ = self.spans[key]
+            comm_log += self.comm_log[c1:c2]
+            ops += self.ops[o1:o2]
+        comms = {k: replace(c) for k, c in self.comms.items()}
+        for key, n in comm_log:
+            comms[key].count += 1
+            comms[key].bytes += n
+        return Trace(peaks, list(comms.values()), sum(f for f, _ in ops), ops, initial,
+                     {c: gathered[c] for c in CATEGORIES}, len(self.copies))
 
     def start(self) -> None:
         """Mark the sizes counted so far as the step's starting point."""
