@@ -341,24 +341,25 @@ class StepTracer(TorchDispatchMode):
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
         repeat, used = sorted(repeat), set()
 
-        def expand(a: int, b: int) -> list:
-            """log[a:b] with each repeated slice inside it `times` times."""
-            out = []
-            for start, end in repeat:
-                if a <= start and end <= b:
-                    out += self.log[a:start] + self.log[start:end] * times
-                    a = end
-                    used.add((start, end))
-            return out + self.log[a:b]
-
         # a copied span's result that outlives it (held by the schedule) dies with its stand-in,
         # unless it is still alive now (held until the step ends, as the copies' would be)
         inside = defaultdict(int)
         for (a, _, _), (b, _, _), _ in self.spans.values():
             for _, sid, delta in self.log[a:b]:
                 inside[sid] += delta or 0
-        self.log = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
+        resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
                     for e in self.log]
+
+        def expand(a: int, b: int) -> list:
+            """log[a:b] with each repeated slice inside it `times` times."""
+            out = []
+            for start, end in repeat:
+                if a <= start and end <= b:
+                    out += resolved[a:start] + resolved[start:end] * times
+                    a = end
+                    used.add((start, end))
+            return out + resolved[a:b]
+
         # None: where the up-front gathers of the extra blocks go
         inserts = [(first, [None])] + [(at[0], expand(self.spans[key][0][0], self.spans[key][1][0]))
                                        for at, key in self.copies]
@@ -366,7 +367,7 @@ class StepTracer(TorchDispatchMode):
         for at, entries in sorted(inserts, key=lambda x: x[0]):
             log += expand(last, at) + entries
             last = at
-        log += expand(last, len(self.log))
+        log += expand(last, len(resolved))
         if used != set(repeat):
             raise RuntimeError("a repeated block's slice of the log straddles a skipped pipeline call")
         held = {}
