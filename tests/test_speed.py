@@ -109,7 +109,7 @@ def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
     assert abs(result["tokens_per_sec_per_device"] * result["ms_per_step"] / 1000 - tokens_per_step) < 1e-6 * tokens_per_step
     assert 0 < result["mfu_pct"] and result["matmul_tflops_measured"] > 0
     cfg, _ = config_load.load(job)
-    roles = dry_run(cfg, 4, device="cpu", memory_only=True)["_roles"]
+    roles = dry_run(cfg, 4, device="cpu")["_roles"]
     assert [r.rank for r in roles] == [0, 2]
     measured = result["tensor_peak_gib_per_rank"]
     for role in roles:

@@ -9,9 +9,9 @@ real model build and parallelize, and one real step (forward, backward, gradient
 clipping, AdamW). titanlite.steptrace watches it: peak memory by category, collectives,
 FLOPs. titanlite.hardware turns that into a predicted step time for a named GPU.
 
-Blocks are identical, so the step is traced at two depths (e.g. 2 and 3 blocks) and every
-quantity is extrapolated linearly to the model's depth (per activation-checkpointing period for
-`selective` layer AC); a pipeline stage runs three micro-batches and counts the others as copies
+Blocks are identical, so the step is traced with a few blocks (per pipeline stage) and replayed
+as the model's depth would run it, one block (or activation-checkpointing period, for `selective`
+layer AC) repeated; a pipeline stage runs three micro-batches and counts the others as copies
 (titanlite.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite import config_load, hardware
@@ -43,7 +44,7 @@ from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.pptrace import skip_microbatches
 from titanlite.preflight import Plan, preflight
-from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
+from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace, within
 
 # The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
 OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
@@ -63,13 +64,12 @@ def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
         job=dataclasses.replace(cfg.job, dump_folder=tempfile.mkdtemp(prefix="titanlite-dryrun-")))
 
 
-def depths(n: int, period: int, full: bool) -> tuple[int, int]:
-    """Two block counts congruent to n modulo the AC period (the smallest >= 3, and one period
-    more), or (n - period, n) when that reaches n anyway."""
-    k1 = next(k for k in range(3, 3 + period) if k % period == n % period)
-    if full or k1 + period >= n:
-        return max(n - period, 1), n
-    return k1, k1 + period
+def traced_depth(n: int, period: int, full: bool) -> int:
+    """The blocks traced: the fewest congruent to n modulo the AC period that hold a period
+    other than the first two blocks and the last (FSDP gathers ahead of the next block, which
+    the first and the last have not), or n."""
+    k = next(k for k in range(period + 3, 2 * period + 3) if k % period == n % period)
+    return n if full else min(k, n)
 
 
 def default_roles(dims) -> list[int]:
@@ -140,14 +140,12 @@ def shallow_plan(plan: Plan, k: int) -> Plan:
 
 
 def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
-               shallower: tuple[Trace, int] | None = None, device: str = "cuda", full: bool = False) -> Trace:
+               device: str = "cuda", full: bool = False) -> Trace:
     """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
-    trace one step.
-
-    Its memory is replayed as the model's full depth would run: blocks 2 .. period + 1 of each
-    stage (a whole AC period) repeated to that depth, in forward and backward, for each traced
-    micro-batch (three per stage unless `full`: titanlite.pptrace); what the extra blocks hold
-    from the start is extrapolated from the `shallower` trace."""
+    trace one step, replayed as the model's full depth would run it: blocks 2 .. period + 1 of
+    each stage (a whole AC period) repeated to that depth, in forward and backward, for each
+    traced micro-batch (three per stage unless `full`: titanlite.pptrace), with what those
+    blocks hold and gather outside their own spans."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
     t, dims, n = cfg.training, plan.dims, stage_depth(plan)
@@ -186,7 +184,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.track([*params, *buffers, *state, *(v for b in batches for v in b.values())])
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
-        firsts = []  # each part's first block
+        # the repeated period of each part, and what is done for it outside its own blocks' spans
+        repeats, firsts, unit, elsewhere = n_blocks >= period + 3, [], [], []
         for part in parts:
             handles.append(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")))
             blocks = getattr(part, plan.spec.blocks)
@@ -197,9 +196,19 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
                         out.register_hook(lambda grad: tracer.mark(("backward", i)))
                 handles += [block.register_forward_pre_hook(lambda *_, i=int(i): tracer.mark(("forward", i))),
                             block.register_forward_hook(backward_mark)]
+            if repeats:
+                unit += [blocks[str(firsts[-1] + j)] for j in range(2, 2 + period)]
+        # a pipeline schedule gathers, reduces and frees each stage's FSDP blocks itself
+        patched = [(obj, name) for b in unit if isinstance(b, FSDPModule)
+                   for obj, name in [(b, "unshard"), (b, "reshard"), (b._get_fsdp_state()._fsdp_param_group,
+                                                                     "post_backward")]]
+        for obj, name in patched:
+            setattr(obj, name, tracer.spanned(getattr(obj, name), elsewhere))
         with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
             out = step(batches)
+            tracer.count_unit(_held(unit, optimizers))
             reduce_partial_grads(params)
+            tracer.count_unit(_held(unit, optimizers))  # the reduced gradients are new tensors
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
             stats = torch.stack([grad_sq, out.loss_sum])
@@ -212,93 +221,79 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
                 hook()
         for h in handles:
             h.remove()
+        for obj, name in patched:
+            del obj.__dict__[name]
         grads = [p.grad for p in params if p.grad is not None]
-        if n == n_blocks or shallower is None:
-            return tracer.result([*params, *buffers], grads, state)
         m = tracer.marks
         # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one);
         # with pipeline stages, one pair per micro-batch
-        repeat = [pair for a in firsts for pair in [*zip(m["forward", a + 2], m["forward", a + 2 + period]),
-                                                    *zip(m["backward", a + 1 + period], m["backward", a + 1])]]
-        here = tracer.result([*params, *buffers], grads, state)
-        ref, k = shallower
-        scale = (n - n_blocks) / (n_blocks - k)
-        extra = {c: (here.initial[c] - ref.initial[c]) * scale for c in here.initial}
-        upfront = {c: (here.upfront[c] - ref.upfront[c]) * scale for c in here.upfront}
-        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1, extra, upfront)
+        repeat = [pair for a in firsts if repeats
+                  for pair in [*zip(m["forward", a + 2], m["forward", a + 2 + period]),
+                               *zip(m["backward", a + 1 + period], m["backward", a + 1])]]
+        repeat += [s for s in elsewhere if not any(within(s, r) for r in repeat)]
+        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1,
+                             _held(unit, optimizers))
+
+
+def _held(blocks: list, optimizers) -> list[torch.Tensor]:
+    """The blocks' parameters, gradients, optimizer state and buffers."""
+    return [*(x for b in blocks for p in b.parameters() for x in [p, *([p.grad] if p.grad is not None else []),
+              *(v for opt in optimizers.optimizers for k, v in opt.state.get(p, {}).items() if k != "step")]),
+            *(x for b in blocks for x in b.buffers())]
 
 
 @dataclasses.dataclass
 class Role:
-    """One rank's step, extrapolated to the model's depth."""
+    """One rank's step at the model's depth."""
 
     rank: int
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
     times: dict[str, hardware.StepTimes]
-    traced_blocks: tuple[int, int]
-    copied_calls: int  # pipeline calls counted as copies in the deeper trace (titanlite.pptrace)
+    traced_blocks: int
+    copied_calls: int  # pipeline calls counted as copies (titanlite.pptrace)
 
     @property
     def peak_phase(self) -> str:
         return max(PHASES, key=lambda p: self.peaks[p]["total"])
 
 
-def extrapolate(traces: tuple[Trace, Trace], ks: tuple[int, int], n: int, rank: int) -> Role:
-    """Every quantity is affine in the block count: value(n) = value(k1) + slope * (n - k1)."""
-    (a, b), (k1, k2) = traces, ks
-    x = (n - k1) / (k2 - k1) if k2 != k1 else 0.0
-
-    def at(v1: float, v2: float) -> float:
-        return v1 + (v2 - v1) * x
-
-    peaks = b.peaks  # replayed at full depth already
-    comms = {}
-    for key in {(c.kind, c.group, c.phase) for c in a.comms + b.comms}:
-        ca, cb = ([c for c in tr.comms if (c.kind, c.group, c.phase) == key] for tr in traces)
-        ref = (ca or cb)[0]
-        comms[key] = {"count": round(at(sum(c.count for c in ca), sum(c.count for c in cb))),
-                      "bytes": at(sum(c.bytes for c in ca), sum(c.bytes for c in cb)),
-                      "group_size": ref.size, "ranks": ref.ranks}
+def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
+    """The step's time terms split into what each block adds (its compute; the FSDP traffic
+    that can hide behind it) and the rest."""
+    comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
+                                          "ranks": c.ranks} for c in tr.comms}
     times = {}
     for gpu in hardware.GPUS.values():
-        def split(fa: float, fb: float) -> tuple[float, float]:
-            per_block = (fb - fa) / (k2 - k1) if k2 != k1 else 0.0
-            return per_block, fa - k1 * per_block
-
-        def comm_s(tr: Trace, overlapped: bool) -> float:
-            return sum(hardware.comm_seconds(c.kind, c.bytes, c.ranks, gpu) for c in tr.comms
+        def comm_s(cs: list, overlapped: bool) -> float:
+            return sum(hardware.comm_seconds(c.kind, c.bytes, c.ranks, gpu) for c in cs
                        if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped)
 
-        cb_, cr = split(hardware.compute_seconds(a.ops, gpu), hardware.compute_seconds(b.ops, gpu))
-        ob, orest = split(comm_s(a, True), comm_s(b, True))
-        times[gpu.name] = hardware.StepTimes(cb_, cr, ob, orest, at(comm_s(a, False), comm_s(b, False)), n)
-    return Role(rank, peaks, comms, at(a.flops, b.flops), times, ks, b.copied)
+        cb, ob = hardware.compute_seconds(tr.block_ops, gpu) / period, comm_s(tr.block_comms, True) / period
+        times[gpu.name] = hardware.StepTimes(cb, hardware.compute_seconds(tr.ops, gpu) - n * cb, ob,
+                                             comm_s(tr.comms, True) - n * ob, comm_s(tr.comms, False), n)
+    return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
 
 
-def trace_role(cfg: JobConfig, plan: Plan, world_size: int, ks: tuple[int, int], period: int, device: str,
-               full: bool, rank: int) -> Role:
-    """Trace rank `rank`'s step at the two depths and extrapolate it to the real one."""
+def trace_role(cfg: JobConfig, plan: Plan, world_size: int, k: int, period: int, device: str, full: bool,
+               rank: int) -> Role:
+    """Trace rank `rank`'s step at depth `k`, replayed to the real one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         meshes = plan.dims.build_meshes("cpu")
-        first = trace_step(cfg, plan, meshes, ks[0], fake, period, device=device, full=full)
-        second = first if ks[1] == ks[0] else trace_step(cfg, plan, meshes, ks[1], fake, period, (first, ks[0]),
-                                                         device, full)
-        return extrapolate((first, second), ks, stage_depth(plan), rank)
+        return role_of(trace_step(cfg, plan, meshes, k, fake, period, device, full), k, stage_depth(plan), period,
+                       rank)
     finally:
         dist.destroy_process_group()
 
 
 def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full: bool = False,
-            device: str = "cuda", memory_only: bool = False) -> dict:
-    """Preflight the job as `world_size` ranks on `device`, trace each role's step.
-    `memory_only` skips the shallower trace where the deeper one is the whole model (it only
-    serves the per-block split of the time terms)."""
+            device: str = "cuda") -> dict:
+    """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
     cfg = dry_config(cfg, device)
     plan = preflight(cfg, world_size)
     dims, ac = plan.dims, cfg.activation_checkpoint
@@ -307,9 +302,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
-    n = stage_depth(plan)
-    ks = (n, n) if memory_only and depths(n, period, full)[1] == n else depths(n, period, full)
-    args = (cfg, plan, world_size, ks, period, device, full)
+    args = (cfg, plan, world_size, traced_depth(stage_depth(plan), period, full), period, device, full)
     if len(ranks) == 1:
         roles = [trace_role(*args, ranks[0])]
     else:
@@ -344,7 +337,7 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
         peak = role.peaks[role.peak_phase]
         step_s = max(step_s, role.times[gpu.name].step(*bubble))
         roles.append({
-            "rank": role.rank, "traced_blocks": list(role.traced_blocks), "copied_calls": role.copied_calls,
+            "rank": role.rank, "traced_blocks": role.traced_blocks, "copied_calls": role.copied_calls,
             "peak_phase": role.peak_phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
             "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
@@ -377,7 +370,7 @@ def print_table(rep: dict) -> None:
               f"x{pipe['bubble_factor']:.3f} on the busy time")
     for role in rep["roles"]:
         m = role["memory_gib"]
-        print(f"rank {role['rank']} (traced {role['traced_blocks'][0]} and {role['traced_blocks'][1]} blocks, "
+        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks per stage, "
               f"{role['copied_calls']} pipeline calls copied, peak during {role['peak_phase']}):")
         for c in (*CATEGORIES, "peak"):
             print(f"  {c:<14} {m[c]:9.2f} GiB")
@@ -403,7 +396,7 @@ def train_device(cfg: JobConfig) -> str:
 
 
 def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
-    result = dry_run(cfg, world_size, device=device or train_device(cfg), memory_only=True)
+    result = dry_run(cfg, world_size, device=device or train_device(cfg))
     role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
     peak = role.peaks[role.peak_phase]
     return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims

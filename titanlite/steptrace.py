@@ -82,6 +82,11 @@ def _fake_grouped_mm(a, b, *args, **kwargs):
     return _ATEN._grouped_mm.default(a.to(bf16), b.to(bf16), *args, **kwargs).to(a.dtype)
 
 
+def within(span: tuple, outer: tuple) -> bool:
+    """Whether the (start, end) cursors of `span` lie inside `outer`'s."""
+    return all(map(int.__le__, outer[0], span[0])) and all(map(int.__le__, span[1], outer[1]))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -109,10 +114,9 @@ class Trace:
     flops: int
     ops: list[tuple[int, int]] = field(repr=False)
     """(FLOPs, bytes read + written) per compute op, for a roofline time estimate."""
-    initial: dict[str, int] = field(default_factory=dict)
-    """Bytes per category held when the step starts (parameters, optimizer state)."""
-    upfront: dict[str, int] = field(default_factory=dict)
-    """Bytes per category the step allocates before its first block runs, net."""
+    block_comms: list[Comm] = field(repr=False)
+    block_ops: list[tuple[int, int]] = field(repr=False)
+    """What one block period adds to the step (every local stage, every micro-batch)."""
     copied: int = 0
     """Calls the step skipped and counted as copies of another (titanlite.pptrace)."""
 
@@ -136,11 +140,14 @@ class StepTracer(TorchDispatchMode):
         self.comms: dict[tuple, Comm] = {}
         self.comm_log: list[tuple[tuple, int]] = []  # (key into comms, bytes) per collective
         self.ops: list[tuple[int, int]] = []
+        self.unit: dict[int, float] = {}  # storage id -> the share of it that is one block period's
+        self.unit_ops: list[tuple[float, float]] = []
+        self.unit_comms: list[tuple[tuple, float, int]] = []  # (key, bytes, count)
         self.spans: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int], str]] = {}
         self.copies: list[tuple[tuple[int, int, int], tuple]] = []  # (where, key of the span to copy)
         self.live = False
         self.muted = 0
-        self.marks: dict[tuple, list[int]] = defaultdict(list)
+        self.marks: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
 
     # ---- storage bookkeeping
     def _id(self, t: torch.Tensor, note: set[int] | None = None) -> int:
@@ -170,8 +177,8 @@ class StepTracer(TorchDispatchMode):
             self._id(t.to_local() if isinstance(t, DTensor) else t)
 
     def mark(self, key: tuple) -> None:
-        """Remember this point of the log (e.g. a block's forward starts), once per occurrence."""
-        self.marks[key].append(len(self.log))
+        """Remember this point of the step (e.g. a block's forward starts), once per occurrence."""
+        self.marks[key].append(self.cursor())
 
     def cursor(self) -> tuple[int, int, int]:
         return len(self.log), len(self.ops), len(self.comm_log)
@@ -188,6 +195,24 @@ class StepTracer(TorchDispatchMode):
         repeats that span exactly (a pipeline micro-batch like another; titanlite.pptrace)."""
         self.copies.append((self.cursor(), key))
         self.set_phase(self.spans[key][2])
+
+    def count_unit(self, tensors) -> None:
+        """From here on, each op's share in these tensors (by bytes read), and each collective
+        on one of them, is a block period's share of the step: the gradient reductions, norm and
+        clipping and the optimizer step act on every block."""
+        self.unit |= {self.storage_id(t): 1.0 for t in tensors}
+
+    def spanned(self, method, spans: list):
+        """`method`, remembering in `spans` the span of the step each call takes (and its
+        handle's wait, for an asynchronous one: an FSDP gather)."""
+        def run(*args, **kwargs):
+            start = self.cursor()
+            handle = method(*args, **kwargs)
+            spans.append((start, self.cursor()))
+            if handle is not None:
+                handle.wait = self.spanned(handle.wait, spans)
+            return handle
+        return run
 
     def storage_id(self, t: torch.Tensor) -> int:
         return self._id(t.to_local() if isinstance(t, DTensor) else t)
@@ -215,6 +240,10 @@ class StepTracer(TorchDispatchMode):
     def set_phase(self, phase: str) -> None:
         if phase == "backward" and self.phase == "forward":
             self.saved |= {s for s, n in self.sizes.items() if n and self.alloc_phase[s] == "forward"}
+        if self.live and phase != self.phase:
+            # what is live on entering a phase is part of its peak, even if it allocates nothing
+            # (a fused optimizer step updates in place)
+            self.log.append((PHASES.index(phase), -1, 0))
         self.phase = phase
 
     # ---- the mode
@@ -286,8 +315,20 @@ class StepTracer(TorchDispatchMode):
             if fn is not None:
                 flops = (fn(func, args, out) if func in _EXTRA_FLOPS
                          else fn(*args, **kwargs, out_val=out))
-            self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
+            read = sum(map(_nbytes, ins))
+            self.ops.append((flops, read + sum(map(_nbytes, outs))))
+            if self.unit:
+                self._unit_share(ins, outs, read)
         return out
+
+    def _unit_share(self, ins, outs, read: int) -> None:
+        """An op's share in the block period's tensors, by bytes read; what it creates carries
+        that share on (a stack of every layer's statistics, say)."""
+        share = sum(_nbytes(t) * self.unit.get(self.sid.get(t.untyped_storage()), 0) for t in ins) / max(read, 1)
+        if share:
+            self.unit_ops.append(tuple(x * share for x in self.ops[-1]))
+            for t in outs:
+                self.unit.setdefault(self._id(t), share)
 
     def _collective(self, func, comm, args, out, ins) -> None:
         kind, pg_arg, payload = comm
@@ -311,15 +352,23 @@ class StepTracer(TorchDispatchMode):
         if key not in self.comms:
             self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), phase)
         self.comm_log.append((key, _nbytes(t)))
+        share = self.unit.get(self.sid.get(t.untyped_storage()), 0) if self.unit else 0
+        if share:
+            # a collective of its own for each block, or a share of one for all
+            self.unit_comms.append((key, _nbytes(t) * share, int(share == 1)))
 
     # ---- after the step
-    def result(self, params, grads, optim_state, repeat: list[tuple[int, int]] = (), times: int = 1,
-               extra: dict[str, float] | None = None, upfront: dict[str, float] | None = None) -> Trace:
-        """Replay the log with each storage's final category; call before the step's tensors die.
-        Each (start, end) slice of the log in `repeat` is replayed `times` times: the step of a
-        deeper model, whose extra blocks do exactly what the repeated ones did; `extra` adds
-        what those blocks hold before the step starts (parameters, optimizer state), `upfront`
-        what the step gathers for them before the first block runs, until the optimizer step."""
+    def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=()) -> Trace:
+        """Replay the step with each storage's final category; call before the step's tensors die.
+
+        A deeper model's step is replayed from this one: its extra blocks do what one block
+        period already did here. Each (start, end) span in `repeat` (cursors: one period's
+        forward or backward, or what is done for it elsewhere, as FSDP's gathers and gradient
+        reductions under a pipeline schedule) counts `times` times, and so do the period's
+        shares of the whole-model operations after backward (see `unit`); the period's own
+        state (`unit_state`: parameters, buffers, optimizer state) is held from the start
+        times - 1 more times. One instance of each is the step's work per block period
+        (Trace.block_ops, block_comms)."""
         def ids(ts):
             return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
         final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
@@ -328,16 +377,10 @@ class StepTracer(TorchDispatchMode):
         def category(sid: int) -> str:
             return next((name for name, s in final if sid in s), "temporaries")
 
-        live = defaultdict(int, extra or {})
+        more, owned = times - 1, ids(unit_state)
+        live = defaultdict(int)
         for sid, n in self._initial.items():
-            live[category(sid)] += n
-        initial = {c: live[c] - (extra or {}).get(c, 0) for c in CATEGORIES}
-        # what the step sets up before any block runs (a multi-stage pipeline schedule gathers
-        # all its stages' parameters up front, and frees them after its last backward)
-        first = min((pos[0] for key, pos in self.marks.items() if key[0] == "forward" and pos), default=0)
-        gathered = defaultdict(int)
-        for _, sid, delta in self.log[:first]:
-            gathered[category(sid)] += delta
+            live[category(sid)] += n * (1 + more * (sid in owned))
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
         repeat, used = sorted(repeat), set()
 
@@ -349,52 +392,51 @@ class StepTracer(TorchDispatchMode):
                 inside[sid] += delta or 0
         resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
                     for e in self.log]
+        lists = (resolved, self.ops, self.comm_log)
+        block_ops, block_comms = list(self.unit_ops), list(self.unit_comms)
 
-        def expand(a: int, b: int) -> list:
-            """log[a:b] with each repeated slice inside it `times` times."""
-            out = []
+        def expand(a: tuple, b: tuple) -> tuple[list, list, list]:
+            """The log, ops and collectives from cursor a to b, each repeated span in it `times` times."""
+            out = ([], [], [])
             for start, end in repeat:
-                if a <= start and end <= b:
-                    out += resolved[a:start] + resolved[start:end] * times
+                if within((start, end), (a, b)):
+                    for o, seq, i in zip(out, lists, range(3)):
+                        o += seq[a[i]:start[i]] + seq[start[i]:end[i]] * times
+                    block_ops.extend(self.ops[start[1]:end[1]])
+                    block_comms.extend(self.comm_log[start[2]:end[2]])
                     a = end
                     used.add((start, end))
-            return out + resolved[a:b]
+            for o, seq, i in zip(out, lists, range(3)):
+                o += seq[a[i]:b[i]]
+            return out
 
-        # None: where the up-front gathers of the extra blocks go
-        inserts = [(first, [None])] + [(at[0], expand(self.spans[key][0][0], self.spans[key][1][0]))
-                                       for at, key in self.copies]
-        log, last = [], 0
+        inserts = [(at, expand(*self.spans[key][:2])) for at, key in self.copies]
+        log, ops, comm_log, last = [], [], [], (0, 0, 0)
         for at, entries in sorted(inserts, key=lambda x: x[0]):
-            log += expand(last, at) + entries
+            for whole, before, inserted in zip((log, ops, comm_log), expand(last, at), entries):
+                whole += before + inserted
             last = at
-        log += expand(last, len(resolved))
+        for whole, rest in zip((log, ops, comm_log), expand(last, self.cursor())):
+            whole += rest
         if used != set(repeat):
-            raise RuntimeError("a repeated block's slice of the log straddles a skipped pipeline call")
-        held = {}
-        for entry in log:
-            if entry is None or (held and entry[0] == PHASES.index("optimizer")):
-                sign, held = (1, upfront or {}) if entry is None else (-1, {})
-                for c, v in (upfront or {}).items():
-                    live[c] += sign * v
-                if entry is None:
-                    continue
-            phase, sid, delta = entry
+            raise RuntimeError("a repeated block's span of the step straddles a skipped pipeline call")
+        ops += self.unit_ops * more
+        comm_log += self.unit_comms * more
+        for phase, sid, delta in log:
             live[category(sid)] += delta
             total = sum(live.values())
             if total > peaks[PHASES[phase]]["total"]:
                 peaks[PHASES[phase]] = {**live, "total": total}
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        comm_log, ops = list(self.comm_log), list(self.ops)
-        for _, key in self.copies:
-            (_, o1, c1), (_, o2, c2), _ = self.spans[key]
-            comm_log += self.comm_log[c1:c2]
-            ops += self.ops[o1:o2]
+        return Trace(peaks, self._tally(comm_log), sum(f for f, _ in ops), ops, self._tally(block_comms), block_ops,
+                     len(self.copies))
+
+    def _tally(self, comm_log: list[tuple]) -> list[Comm]:
         comms = {k: replace(c) for k, c in self.comms.items()}
-        for key, n in comm_log:
-            comms[key].count += 1
+        for key, n, *count in comm_log:
+            comms[key].count += count[0] if count else 1
             comms[key].bytes += n
-        return Trace(peaks, list(comms.values()), sum(f for f, _ in ops), ops, initial,
-                     {c: gathered[c] for c in CATEGORIES}, len(self.copies))
+        return [c for c in comms.values() if c.count]
 
     def start(self) -> None:
         """Mark the sizes counted so far as the step's starting point."""
