@@ -21,7 +21,6 @@ import dataclasses
 from dataclasses import dataclass
 import json
 import multiprocessing as mp
-import os
 import sys
 from functools import partial
 import tempfile
@@ -308,7 +307,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     else:
         # a fresh process per role: DTensor caches sharding decisions keyed by mesh layout, which
         # would hand one role's process groups to the next; forked, they also run side by side
-        with mp.get_context("fork").Pool(min(len(ranks), os.cpu_count() or 1), maxtasksperchild=1) as pool:
+        with mp.get_context("fork").Pool(len(ranks), maxtasksperchild=1) as pool:
             roles = pool.map(partial(trace_role, *args), ranks, chunksize=1)
     t = cfg.training
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
