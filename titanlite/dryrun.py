@@ -184,30 +184,29 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
         # the repeated period of each part, and what is done for it outside its own blocks' spans
-        repeats, firsts, unit, elsewhere = n_blocks >= period + 3, [], [], []
+        repeats, indices, unit, elsewhere = n_blocks >= period + 3, [], [], []
         for part in parts:
             handles.append(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")))
             blocks = getattr(part, plan.spec.blocks)
-            firsts.append(min(int(i) for i in blocks))
-            for i, block in blocks.items():
-                def backward_mark(mod, inputs, out, i=int(i)):
-                    if isinstance(out, torch.Tensor) and out.requires_grad:
-                        out.register_hook(lambda grad: tracer.mark(("backward", i)))
-                handles += [block.register_forward_pre_hook(lambda *_, i=int(i): tracer.mark(("forward", i))),
-                            block.register_forward_hook(backward_mark)]
+            indices.append(sorted(int(i) for i in blocks))
+            handles += [h for i, block in blocks.items() for h in _marks(tracer, block, int(i))]
             if repeats:
-                unit += [blocks[str(firsts[-1] + j)] for j in range(2, 2 + period)]
-        # a pipeline schedule gathers, reduces and frees each stage's FSDP blocks itself
-        patched = [(obj, name) for b in unit if isinstance(b, FSDPModule)
-                   for obj, name in [(b, "unshard"), (b, "reshard"), (b._get_fsdp_state()._fsdp_param_group,
-                                                                     "post_backward")]]
-        for obj, name in patched:
-            setattr(obj, name, tracer.spanned(getattr(obj, name), elsewhere))
+                unit += [blocks[str(indices[-1][j])] for j in range(2, 2 + period)]
+        # a pipeline schedule gathers, reduces and frees each stage's FSDP blocks itself: the
+        # repeated blocks' calls repeat with them, the others' are no block's own span
+        others, patched = [], []
+        for b in (b for part in parts for b in getattr(part, plan.spec.blocks).values()):
+            if isinstance(b, FSDPModule):
+                for obj, name in [(b, "unshard"), (b, "reshard"), (b._get_fsdp_state()._fsdp_param_group,
+                                                                   "post_backward")]:
+                    setattr(obj, name, tracer.spanned(getattr(obj, name), elsewhere if b in unit else others))
+                    patched.append((obj, name))
         with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
             out = step(batches)
+            mine = [p for b in unit for p in b.parameters()]
+            tracer.spanned(reduce_partial_grads, elsewhere)(mine)  # repeated with the block's spans
+            reduce_partial_grads([p for p in params if all(p is not q for q in mine)])
             tracer.count_unit(_held(unit, optimizers))
-            reduce_partial_grads(params)
-            tracer.count_unit(_held(unit, optimizers))  # the reduced gradients are new tensors
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
             stats = torch.stack([grad_sq, out.loss_sum])
@@ -226,12 +225,36 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         m = tracer.marks
         # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one);
         # with pipeline stages, one pair per micro-batch
-        repeat = [pair for a in firsts if repeats
-                  for pair in [*zip(m["forward", a + 2], m["forward", a + 2 + period]),
-                               *zip(m["backward", a + 1 + period], m["backward", a + 1])]]
+        repeat = [pair for ids in indices if repeats
+                  for pair in [*zip(m["forward", ids[2]], m["forward", ids[2 + period]]),
+                               *zip(m["backward", ids[1 + period]], m["backward", ids[1]])]]
         repeat += [s for s in elsewhere if not any(within(s, r) for r in repeat)]
+        # every block's forward and backward, to the next block's; the last forward to the next
+        # mark of any kind (what it used dies as its call returns), the first backward to its end
+        spans, marked = list(others), sorted(c for cs in m.values() for c in cs)
+        for ids in indices:
+            for at, i in enumerate(ids):
+                ends = (m["forward", ids[at + 1]] if at + 1 < len(ids) else
+                        [next((c for c in marked if c > e), tracer.cursor()) for e in m["forward_end", i]])
+                spans += [*zip(m["forward", i], ends),
+                          *zip(m["backward", i], m["backward", ids[at - 1]] if at else m["backward_end", i])]
         return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1,
-                             _held(unit, optimizers))
+                             _held(unit, optimizers), spans)
+
+
+def _marks(tracer: StepTracer, block: torch.nn.Module, i: int) -> list:
+    """Hooks marking where block i's forward starts and ends, and where its backward starts
+    (its output's gradient arrives) and ends (its input's); they follow FSDP's own hooks."""
+    def before(mod, args):
+        tracer.mark(("forward", i))
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(lambda grad: tracer.mark(("backward_end", i)))
+
+    def after(mod, args, out):
+        tracer.mark(("forward_end", i))
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: tracer.mark(("backward", i)))
+    return [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
 
 
 def _held(blocks: list, optimizers) -> list[torch.Tensor]:

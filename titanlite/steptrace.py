@@ -358,7 +358,8 @@ class StepTracer(TorchDispatchMode):
             self.unit_comms.append((key, _nbytes(t) * share, int(share == 1)))
 
     # ---- after the step
-    def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=()) -> Trace:
+    def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=(),
+               blocks: list[tuple] = ()) -> Trace:
         """Replay the step with each storage's final category; call before the step's tensors die.
 
         A deeper model's step is replayed from this one: its extra blocks do what one block
@@ -367,7 +368,11 @@ class StepTracer(TorchDispatchMode):
         reductions under a pipeline schedule) counts `times` times, and so do the period's
         shares of the whole-model operations after backward (see `unit`); the period's own
         state (`unit_state`: parameters, buffers, optimizer state) is held from the start
-        times - 1 more times. One instance of each is the step's work per block period
+        times - 1 more times. What a repeated span creates and the step frees outside every
+        block's span (`blocks`: each block's forward and backward) is freed `times` times
+        there: a cache of every block's tensors emptied at once (autocast's weight casts, the
+        weight gradients autograd casts back at the end of a backward call). What the next
+        block's span frees (the block's output, say) is the next repeat's, as it stands. One instance of each is the step's work per block period
         (Trace.block_ops, block_comms)."""
         def ids(ts):
             return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
@@ -392,6 +397,13 @@ class StepTracer(TorchDispatchMode):
                 inside[sid] += delta or 0
         resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
                     for e in self.log]
+        born = {sid for a, b in repeat for _, sid, delta in self.log[a[0]:b[0]] if delta and delta > 0}
+        covered = bytearray(len(resolved))
+        for a, b in [*repeat, *blocks]:
+            covered[a[0]:b[0]] = b"\1" * (b[0] - a[0])
+        for i, (phase, sid, delta) in enumerate(resolved):
+            if delta < 0 and sid in born and not covered[i]:
+                resolved[i] = (phase, sid, delta * times)
         lists = (resolved, self.ops, self.comm_log)
         block_ops, block_comms = list(self.unit_ops), list(self.unit_comms)
 
