@@ -11,8 +11,8 @@ FLOPs. titanlite.hardware turns that into a predicted step time for a named GPU.
 
 Blocks are identical, so the step is traced with a few blocks (per pipeline stage) and replayed
 as the model's depth would run it, one block (or activation-checkpointing period, for `selective`
-layer AC) repeated; a pipeline stage runs three micro-batches and counts the others as copies
-(titanlite.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
+layer AC) repeated (titanlite.blocktrace); a pipeline stage runs three micro-batches and counts
+the others as copies (titanlite.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ import time
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite import config_load, hardware
+from titanlite.blocktrace import BlockWatch, traced_depth
 from titanlite.config import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.hardware import GIB
 from titanlite.moe import GroupedExperts, grouped_mm_supported, moe_layers
 from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
-from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
+from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.pptrace import skip_microbatches
 from titanlite.preflight import Plan, preflight
-from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace, within
+from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 # The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
 OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
@@ -61,14 +61,6 @@ def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
         cfg, training=dataclasses.replace(t, device="cpu", mixed_precision_param=param),
         compile=dataclasses.replace(cfg.compile, enable=False),
         job=dataclasses.replace(cfg.job, dump_folder=tempfile.mkdtemp(prefix="titanlite-dryrun-")))
-
-
-def traced_depth(n: int, period: int, full: bool) -> int:
-    """The blocks traced: the fewest congruent to n modulo the AC period that hold a period
-    other than the first two blocks and the last (FSDP gathers ahead of the next block, which
-    the first and the last have not), or n."""
-    k = next(k for k in range(period + 3, 2 * period + 3) if k % period == n % period)
-    return n if full else min(k, n)
 
 
 def default_roles(dims) -> list[int]:
@@ -182,31 +174,12 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         buffers = [b for part in parts for b in part.buffers()]  # counted with the parameters (RoPE tables)
         tracer.track([*params, *buffers, *state, *(v for b in batches for v in b.values())])
         tracer.start()
-        handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer"))]
-        # the repeated period of each part, and what is done for it outside its own blocks' spans
-        repeats, indices, unit, elsewhere = n_blocks >= period + 3, [], [], []
-        for part in parts:
-            handles.append(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")))
-            blocks = getattr(part, plan.spec.blocks)
-            indices.append(sorted(int(i) for i in blocks))
-            handles += [h for i, block in blocks.items() for h in _marks(tracer, block, int(i))]
-            if repeats:
-                unit += [blocks[str(indices[-1][j])] for j in range(2, 2 + period)]
-        # a pipeline schedule gathers, reduces and frees each stage's FSDP blocks itself: the
-        # repeated blocks' calls repeat with them, the others' are no block's own span
-        others, patched = [], []
-        for b in (b for part in parts for b in getattr(part, plan.spec.blocks).values()):
-            if isinstance(b, FSDPModule):
-                for obj, name in [(b, "unshard"), (b, "reshard"), (b._get_fsdp_state()._fsdp_param_group,
-                                                                   "post_backward")]:
-                    setattr(obj, name, tracer.spanned(getattr(obj, name), elsewhere if b in unit else others))
-                    patched.append((obj, name))
+        handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
+                   *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
+        watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
         with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
             out = step(batches)
-            mine = [p for b in unit for p in b.parameters()]
-            tracer.spanned(reduce_partial_grads, elsewhere)(mine)  # repeated with the block's spans
-            reduce_partial_grads([p for p in params if all(p is not q for q in mine)])
-            tracer.count_unit(_held(unit, optimizers))
+            watch.after_backward(params, optimizers)
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
             stats = torch.stack([grad_sq, out.loss_sum])
@@ -219,49 +192,10 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
                 hook()
         for h in handles:
             h.remove()
-        for obj, name in patched:
-            del obj.__dict__[name]
+        watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        m = tracer.marks
-        # a block's marks follow FSDP's hooks for it (its unshard, the prefetch of the next one);
-        # with pipeline stages, one pair per micro-batch
-        repeat = [pair for ids in indices if repeats
-                  for pair in [*zip(m["forward", ids[2]], m["forward", ids[2 + period]]),
-                               *zip(m["backward", ids[1 + period]], m["backward", ids[1]])]]
-        repeat += [s for s in elsewhere if not any(within(s, r) for r in repeat)]
-        # every block's forward and backward, to the next block's; the last forward to the next
-        # mark of any kind (what it used dies as its call returns), the first backward to its end
-        spans, marked = list(others), sorted(c for cs in m.values() for c in cs)
-        for ids in indices:
-            for at, i in enumerate(ids):
-                ends = (m["forward", ids[at + 1]] if at + 1 < len(ids) else
-                        [next((c for c in marked if c > e), tracer.cursor()) for e in m["forward_end", i]])
-                spans += [*zip(m["forward", i], ends),
-                          *zip(m["backward", i], m["backward", ids[at - 1]] if at else m["backward_end", i])]
-        return tracer.result([*params, *buffers], grads, state, repeat, (n - n_blocks) // period + 1,
-                             _held(unit, optimizers), spans)
-
-
-def _marks(tracer: StepTracer, block: torch.nn.Module, i: int) -> list:
-    """Hooks marking where block i's forward starts and ends, and where its backward starts
-    (its output's gradient arrives) and ends (its input's); they follow FSDP's own hooks."""
-    def before(mod, args):
-        tracer.mark(("forward", i))
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            args[0].register_hook(lambda grad: tracer.mark(("backward_end", i)))
-
-    def after(mod, args, out):
-        tracer.mark(("forward_end", i))
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: tracer.mark(("backward", i)))
-    return [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
-
-
-def _held(blocks: list, optimizers) -> list[torch.Tensor]:
-    """The blocks' parameters, gradients, optimizer state and buffers."""
-    return [*(x for b in blocks for p in b.parameters() for x in [p, *([p.grad] if p.grad is not None else []),
-              *(v for opt in optimizers.optimizers for k, v in opt.state.get(p, {}).items() if k != "step")]),
-            *(x for b in blocks for x in b.buffers())]
+        return tracer.result([*params, *buffers], grads, state, times=(n - n_blocks) // period + 1,
+                             **watch.replay(optimizers))
 
 
 @dataclasses.dataclass
