@@ -58,13 +58,11 @@ class BlockWatch:
                     setattr(obj, name, tracer.spanned(getattr(obj, name), spans))
                     self.patched.append((obj, name))
 
-    def after_backward(self, params: list, optimizers) -> None:
-        """train.py's partial-gradient reduction, the repeated blocks' own part spanned; from
-        here on the tracer counts those blocks' share of each op."""
+    def reduce_partial_grads(self, params: list) -> None:
+        """train.py's partial-gradient reduction, the repeated blocks' own part spanned."""
         mine = [p for b in self.unit for p in b.parameters()]
         self.tracer.spanned(reduce_partial_grads, self.elsewhere)(mine)
         reduce_partial_grads([p for p in params if all(p is not q for q in mine)])
-        self.tracer.count_unit(_held(self.unit, optimizers))
 
     def close(self) -> None:
         for h in self.handles:

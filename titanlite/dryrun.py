@@ -179,7 +179,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
         with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
             out = step(batches)
-            watch.after_backward(params, optimizers)
+            watch.reduce_partial_grads(params)
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
             stats = torch.stack([grad_sq, out.loss_sum])
@@ -259,13 +259,11 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
     args = (cfg, plan, world_size, traced_depth(stage_depth(plan), period, full), period, device, full)
-    if len(ranks) == 1:
-        roles = [trace_role(*args, ranks[0])]
-    else:
-        # a fresh process per role: DTensor caches sharding decisions keyed by mesh layout, which
-        # would hand one role's process groups to the next; forked, they also run side by side
-        with mp.get_context("fork").Pool(len(ranks), maxtasksperchild=1) as pool:
-            roles = pool.map(partial(trace_role, *args), ranks, chunksize=1)
+    # a fresh process per role, one role too: DTensor caches sharding decisions keyed by process
+    # group, which would hand one fake world's groups to the next traced in the same process (or
+    # forked from it); forked, the roles also run side by side
+    with mp.get_context("fork").Pool(len(ranks), maxtasksperchild=1) as pool:
+        roles = pool.map(partial(trace_role, *args), ranks, chunksize=1)
     t = cfg.training
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,

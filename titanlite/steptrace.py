@@ -87,6 +87,12 @@ def within(span: tuple, outer: tuple) -> bool:
     return all(map(int.__le__, outer[0], span[0])) and all(map(int.__le__, span[1], outer[1]))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, without dispatching an op (to_local() runs a view through the
+    tracer, which would count a storage it has not seen as allocated there)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -140,9 +146,10 @@ class StepTracer(TorchDispatchMode):
         self.comms: dict[tuple, Comm] = {}
         self.comm_log: list[tuple[tuple, int]] = []  # (key into comms, bytes) per collective
         self.ops: list[tuple[int, int]] = []
-        self.unit: dict[int, float] = {}  # storage id -> the share of it that is one block period's
-        self.unit_ops: list[tuple[float, float]] = []
-        self.unit_comms: list[tuple[tuple, float, int]] = []  # (key, bytes, count)
+        # per op, its inputs' (storage id, bytes) and its outputs' storage ids; per collective,
+        # its payload's storage id: a block period's share of an op is decided after the step
+        self.op_io: list[tuple[tuple, tuple]] = []
+        self.comm_sids: list[int | None] = []
         self.spans: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int], str]] = {}
         self.copies: list[tuple[tuple[int, int, int], tuple]] = []  # (where, key of the span to copy)
         self.live = False
@@ -196,12 +203,6 @@ class StepTracer(TorchDispatchMode):
         self.copies.append((self.cursor(), key))
         self.set_phase(self.spans[key][2])
 
-    def count_unit(self, tensors) -> None:
-        """From here on, each op's share in these tensors (by bytes read), and each collective
-        on one of them, is a block period's share of the step: the gradient reductions, norm and
-        clipping and the optimizer step act on every block."""
-        self.unit |= {self.storage_id(t): 1.0 for t in tensors}
-
     def spanned(self, method, spans: list):
         """`method`, remembering in `spans` the span of the step each call takes (and its
         handle's wait, for an asynchronous one: an FSDP gather)."""
@@ -214,8 +215,10 @@ class StepTracer(TorchDispatchMode):
             return handle
         return run
 
-    def storage_id(self, t: torch.Tensor) -> int:
-        return self._id(t.to_local() if isinstance(t, DTensor) else t)
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        """The id of the storage under `t`, None if the step never counted it (a pipeline
+        stage's receive buffer, say): looking must not count it now."""
+        return self.sid.get(_local(t).untyped_storage())
 
     def ghost(self, t: torch.Tensor, like: int | None = None) -> torch.Tensor:
         """A tensor like `t` that holds no counted memory: a stand-in for what a copied span
@@ -226,7 +229,7 @@ class StepTracer(TorchDispatchMode):
             g = torch.empty_like(t)
         finally:
             self.muted -= 1
-        st = (g.to_local() if isinstance(g, DTensor) else g).untyped_storage()
+        st = _local(g).untyped_storage()
         self.sid[st] = len(self.sizes)
         self.sizes[len(self.sizes)] = 0
         if like is not None:
@@ -315,20 +318,10 @@ class StepTracer(TorchDispatchMode):
             if fn is not None:
                 flops = (fn(func, args, out) if func in _EXTRA_FLOPS
                          else fn(*args, **kwargs, out_val=out))
-            read = sum(map(_nbytes, ins))
-            self.ops.append((flops, read + sum(map(_nbytes, outs))))
-            if self.unit:
-                self._unit_share(ins, outs, read)
+            self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
+            self.op_io.append((tuple((self.sid.get(t.untyped_storage()), _nbytes(t)) for t in ins),
+                               tuple(self.sid[t.untyped_storage()] for t in outs)))
         return out
-
-    def _unit_share(self, ins, outs, read: int) -> None:
-        """An op's share in the block period's tensors, by bytes read; what it creates carries
-        that share on (a stack of every layer's statistics, say)."""
-        share = sum(_nbytes(t) * self.unit.get(self.sid.get(t.untyped_storage()), 0) for t in ins) / max(read, 1)
-        if share:
-            self.unit_ops.append(tuple(x * share for x in self.ops[-1]))
-            for t in outs:
-                self.unit.setdefault(self._id(t), share)
 
     def _collective(self, func, comm, args, out, ins) -> None:
         kind, pg_arg, payload = comm
@@ -352,10 +345,7 @@ class StepTracer(TorchDispatchMode):
         if key not in self.comms:
             self.comms[key] = Comm(kind, name, pg.size(), tuple(dist.get_process_group_ranks(pg)), phase)
         self.comm_log.append((key, _nbytes(t)))
-        share = self.unit.get(self.sid.get(t.untyped_storage()), 0) if self.unit else 0
-        if share:
-            # a collective of its own for each block, or a share of one for all
-            self.unit_comms.append((key, _nbytes(t) * share, int(share == 1)))
+        self.comm_sids.append(self.sid.get(t.untyped_storage()))
 
     # ---- after the step
     def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=(),
@@ -363,17 +353,20 @@ class StepTracer(TorchDispatchMode):
         """Replay the step with each storage's final category; call before the step's tensors die.
 
         A deeper model's step is replayed from this one: its extra blocks do what one block
-        period already did here. Each (start, end) span in `repeat` (cursors: one period's
-        forward or backward, or what is done for it elsewhere, as FSDP's gathers and gradient
-        reductions under a pipeline schedule) counts `times` times, and so do the period's
-        shares of the whole-model operations after backward (see `unit`); the period's own
-        state (`unit_state`: parameters, buffers, optimizer state) is held from the start
-        times - 1 more times. What a repeated span creates and the step frees outside every
-        block's span (`blocks`: each block's forward and backward) is freed `times` times
-        there: a cache of every block's tensors emptied at once (autocast's weight casts, the
-        weight gradients autograd casts back at the end of a backward call). What the next
-        block's span frees (the block's output, say) is the next repeat's, as it stands. One instance of each is the step's work per block period
-        (Trace.block_ops, block_comms)."""
+        period already did here (titanlite.blocktrace).
+        - Each (start, end) span in `repeat` (cursors: the period's forward or backward, or
+          what is done for it elsewhere, as FSDP's gathers and gradient reductions under a
+          pipeline schedule) counts `times` times.
+        - The period's own state (`unit_state`: parameters, gradients, buffers, optimizer
+          state) is held from the start times - 1 more times.
+        - Outside every block's span (`blocks`: each block's forward and backward), what the
+          repeated spans created is freed `times` times where it is freed once (a cache of
+          every block's tensors emptied at once: autocast's weight casts, the weight gradients
+          autograd casts back at the end of a backward call), and each op and collective there
+          counts its share in the period's storages times - 1 more times (the end of a
+          backward call; gradient norm, clipping, the optimizer step). What the next block's
+          span frees (the block's output, say) is the next repeat's, as it stands.
+        One instance of each is the step's work per block period (Trace.block_ops, block_comms)."""
         def ids(ts):
             return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
         final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
@@ -404,36 +397,45 @@ class StepTracer(TorchDispatchMode):
         for i, (phase, sid, delta) in enumerate(resolved):
             if delta < 0 and sid in born and not covered[i]:
                 resolved[i] = (phase, sid, delta * times)
-        lists = (resolved, self.ops, self.comm_log)
-        block_ops, block_comms = list(self.unit_ops), list(self.unit_comms)
+        # each op and collective outside the spans with its share in the period (0: none), and
+        # as it counts in the deeper step
+        op_part, comm_part = self._shares(owned | born, [*repeat, *blocks])
+        shares = ([(f * p, n * p) for (f, n), p in zip(self.ops, op_part)],
+                  [(key, n * p, int(p == 1)) for (key, n), p in zip(self.comm_log, comm_part)])
+        lists = (resolved, [(f + more * sf, n + more * sn) for (f, n), (sf, sn) in zip(self.ops, shares[0])],
+                 [(key, n + more * sn, 1 + more * c) for (key, n), (_, sn, c) in zip(self.comm_log, shares[1])],
+                 *shares)
+        block_ops, block_comms = [], []
 
-        def expand(a: tuple, b: tuple) -> tuple[list, list, list]:
-            """The log, ops and collectives from cursor a to b, each repeated span in it `times` times."""
-            out = ([], [], [])
+        def expand(a: tuple, b: tuple) -> tuple[list, ...]:
+            """The log, ops, collectives and their shares from cursor a to b, each repeated span
+            in it `times` times."""
+            out = ([], [], [], [], [])
             for start, end in repeat:
                 if within((start, end), (a, b)):
-                    for o, seq, i in zip(out, lists, range(3)):
+                    for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
                         o += seq[a[i]:start[i]] + seq[start[i]:end[i]] * times
                     block_ops.extend(self.ops[start[1]:end[1]])
                     block_comms.extend(self.comm_log[start[2]:end[2]])
                     a = end
                     used.add((start, end))
-            for o, seq, i in zip(out, lists, range(3)):
+            for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
                 o += seq[a[i]:b[i]]
             return out
 
         inserts = [(at, expand(*self.spans[key][:2])) for at, key in self.copies]
-        log, ops, comm_log, last = [], [], [], (0, 0, 0)
+        streams, last = ([], [], [], [], []), (0, 0, 0)
         for at, entries in sorted(inserts, key=lambda x: x[0]):
-            for whole, before, inserted in zip((log, ops, comm_log), expand(last, at), entries):
+            for whole, before, inserted in zip(streams, expand(last, at), entries):
                 whole += before + inserted
             last = at
-        for whole, rest in zip((log, ops, comm_log), expand(last, self.cursor())):
+        for whole, rest in zip(streams, expand(last, self.cursor())):
             whole += rest
         if used != set(repeat):
             raise RuntimeError("a repeated block's span of the step straddles a skipped pipeline call")
-        ops += self.unit_ops * more
-        comm_log += self.unit_comms * more
+        log, ops, comm_log = streams[:3]
+        block_ops += [op for op in streams[3] if op[1]]
+        block_comms += [c for c in streams[4] if c[1]]
         for phase, sid, delta in log:
             live[category(sid)] += delta
             total = sum(live.values())
@@ -442,6 +444,25 @@ class StepTracer(TorchDispatchMode):
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
         return Trace(peaks, self._tally(comm_log), sum(f for f, _ in ops), ops, self._tally(block_comms), block_ops,
                      len(self.copies))
+
+    def _shares(self, seeds: set[int], spans: list[tuple]) -> tuple[list[float], list[float]]:
+        """A block period's share of each op and collective outside every span (0 inside): by
+        the bytes an op reads from the period's own storages (`seeds`: its state, what its
+        spans created), carried on to what the op creates (a stack of every layer's
+        statistics, say); a collective's, its payload's."""
+        share = dict.fromkeys(seeds, 1.0)
+        covered = [bytearray(len(self.ops)), bytearray(len(self.comm_log))]
+        for a, b in spans:
+            for i, cov in zip((1, 2), covered):
+                cov[a[i]:b[i]] = b"\1" * (b[i] - a[i])
+        op_part = [0.0] * len(self.ops)
+        for i, (ins, outs) in enumerate(self.op_io):
+            own = 0 if covered[0][i] else sum(n * share.get(sid, 0) for sid, n in ins)
+            if own:
+                op_part[i] = own / max(sum(n for _, n in ins), 1)
+                for sid in outs:
+                    share.setdefault(sid, op_part[i])
+        return op_part, [0.0 if covered[1][i] else share.get(sid, 0.0) for i, sid in enumerate(self.comm_sids)]
 
     def _tally(self, comm_log: list[tuple]) -> list[Comm]:
         comms = {k: replace(c) for k, c in self.comms.items()}
