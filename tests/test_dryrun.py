@@ -188,6 +188,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
     (["--ngpu", "6", "--parallelism.tensor_parallel_degree", "4"], "world size 6 is not divisible by dp_replicate 1"),
     (["--ngpu", "2", "--rank", "2"], "--rank 2 is outside the world of 2 ranks"),
     (["--ngpu", "0"], "--ngpu: expected a positive integer, got '0'"),
+    (["--full=yes"], "--full takes no value, got '--full=yes'"),
     (["--training.local_batch_size", "4096", "--training.seq_len", "1024"], "exceeds the h100's 79.6 GiB"),
 ])
 def test_bad_input_is_one_line(argv, expect, capsys):

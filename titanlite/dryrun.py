@@ -1,6 +1,6 @@
 """Dry run of one real training step at any scale, on one CPU process, allocating nothing:
 
-    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--section.key value ...]
+    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--full] [--section.key value ...]
     python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's pre-launch check)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
@@ -389,6 +389,8 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
         name, eq, value = argv[i].partition("=")
         key = name[2:].replace("-", "_")
         if name == "--full":
+            if eq:
+                raise ConfigError(f"--full takes no value, got '{argv[i]}'; write --full")
             opts["full"] = True
         elif name.startswith("--") and key in opts:
             if not eq:

@@ -87,6 +87,14 @@ def within(span: tuple, outer: tuple) -> bool:
     return all(map(int.__le__, outer[0], span[0])) and all(map(int.__le__, span[1], outer[1]))
 
 
+def _covered(spans: list[tuple], i: int, length: int) -> bytearray:
+    """1 for each entry of a log (cursor component i) inside one of the spans."""
+    out = bytearray(length)
+    for a, b in spans:
+        out[a[i]:b[i]] = b"\1" * (b[i] - a[i])
+    return out
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor, without dispatching an op (to_local() runs a view through the
     tracer, which would count a storage it has not seen as allocated there)."""
@@ -391,9 +399,7 @@ class StepTracer(TorchDispatchMode):
         resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
                     for e in self.log]
         born = {sid for a, b in repeat for _, sid, delta in self.log[a[0]:b[0]] if delta and delta > 0}
-        covered = bytearray(len(resolved))
-        for a, b in [*repeat, *blocks]:
-            covered[a[0]:b[0]] = b"\1" * (b[0] - a[0])
+        covered = _covered([*repeat, *blocks], 0, len(resolved))
         for i, (phase, sid, delta) in enumerate(resolved):
             if delta < 0 and sid in born and not covered[i]:
                 resolved[i] = (phase, sid, delta * times)
@@ -416,7 +422,7 @@ class StepTracer(TorchDispatchMode):
                     for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
                         o += seq[a[i]:start[i]] + seq[start[i]:end[i]] * times
                     block_ops.extend(self.ops[start[1]:end[1]])
-                    block_comms.extend(self.comm_log[start[2]:end[2]])
+                    block_comms.extend((key, n, 1) for key, n in self.comm_log[start[2]:end[2]])
                     a = end
                     used.add((start, end))
             for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
@@ -451,10 +457,7 @@ class StepTracer(TorchDispatchMode):
         spans created), carried on to what the op creates (a stack of every layer's
         statistics, say); a collective's, its payload's."""
         share = dict.fromkeys(seeds, 1.0)
-        covered = [bytearray(len(self.ops)), bytearray(len(self.comm_log))]
-        for a, b in spans:
-            for i, cov in zip((1, 2), covered):
-                cov[a[i]:b[i]] = b"\1" * (b[i] - a[i])
+        covered = _covered(spans, 1, len(self.ops)), _covered(spans, 2, len(self.comm_log))
         op_part = [0.0] * len(self.ops)
         for i, (ins, outs) in enumerate(self.op_io):
             own = 0 if covered[0][i] else sum(n * share.get(sid, 0) for sid, n in ins)
@@ -466,8 +469,8 @@ class StepTracer(TorchDispatchMode):
 
     def _tally(self, comm_log: list[tuple]) -> list[Comm]:
         comms = {k: replace(c) for k, c in self.comms.items()}
-        for key, n, *count in comm_log:
-            comms[key].count += count[0] if count else 1
+        for key, n, count in comm_log:
+            comms[key].count += count
             comms[key].bytes += n
         return [c for c in comms.values() if c.count]
 
