@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch titanlite training with torchrun.
-#   [NGPU=N] ./run_train.sh [--config FILE] [--section.key VALUE ...]
+#   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--section.key VALUE ...]
 # FILE may be a bare name in train_configs/. Multi-node: set NNODES, NODE_RANK and
 # RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
 set -euo pipefail
@@ -19,12 +19,22 @@ case " $* " in
   *" --help "* | *" -h "* | *" --print-config "*) exec python -m titanlite.train "$@" ;;
 esac
 
+# --skip-preflight: launch without the dry run below (if it fails inside titanlite, it says so)
+preflight=1
+args=()
+for arg in "$@"; do
+  if [[ "$arg" == --skip-preflight ]]; then preflight=0; else args+=("$arg"); fi
+done
+set -- ${args[@]+"${args[@]}"}
+
 # Validate in one process first: bad input gives one clear line, not one per rank.
 # The config alone is checked without torch (fast), then the trainer's preflight (layout,
 # model, files) and a dry run of one step on fake tensors (seconds) that refuses a layout
 # that cannot fit in memory.
 python -m titanlite.config_load "$@"
-python -m titanlite.dryrun --check-memory "$NGPU" --ngpu $((NGPU * NNODES)) "$@"
+if (( preflight )); then
+  python -m titanlite.dryrun --check-memory "$NGPU" --ngpu $((NGPU * NNODES)) "$@"
+fi
 
 if [[ -n "${RDZV_ENDPOINT:-}" || "$NNODES" != 1 ]]; then
   launch=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --rdzv_backend=c10d

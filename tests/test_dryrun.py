@@ -15,12 +15,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from harness import REPO, _env
 
-from titanlite import config_load as config, hardware
+from titanlite import config_load as config, dryrun as dryrun_module, hardware
 from titanlite.dryrun import dry_run, main, report
 from titanlite.model_spec import get_model_spec
-from titanlite.steptrace import PHASES
+from titanlite.steptrace import OWN_FLOPS, PHASES
+from torch.utils.flop_counter import flop_registry
 
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
 
@@ -46,10 +48,15 @@ def test_shallow_trace_replayed_equals_every_block(monkeypatch):
     _assert_same_trace(short, full)
 
 
-def test_flops_match_the_model_formula_and_layout_divides_the_work():
+def test_flops_match_the_model_formula_and_layout_divides_the_work(monkeypatch):
     """FlopCounterMode's count of the traced step (forward + backward, every rank's share)
     against 6 x (activated) parameters + attention: within 1%, and TP 2 halves each rank's
-    share. An MoE step counts only the top-k experts each token meets (balanced routing)."""
+    share. An MoE step counts only the top-k experts each token meets (balanced routing).
+    Each op has one formula, called with its own signature: titanlite's own (the CPU flash
+    kernel, grouped GEMM) whatever torch's table holds for them (torch 2.15 added one for the
+    former), here a formula of torch's signature that would count 10^18."""
+    for op in OWN_FLOPS:
+        monkeypatch.setitem(flop_registry, op._overloadpacket, lambda *args, out_val=None, **kwargs: 10**18)
     shape = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
     expected = {}
     for name in ("qwen3_moe_debug.toml", "debug_model.toml"):
@@ -197,6 +204,25 @@ def test_bad_input_is_one_line(argv, expect, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("titanlite: error: ") and expect in err[0], err
+
+
+def test_a_preflight_that_crashes_says_so_in_one_line(monkeypatch, capsys):
+    """An internal error (a titanlite bug, a torch it does not know) ends the preflight with one
+    line naming the exception, the torch version and how to launch without it, and exit 1; the
+    traceback is kept in a file. A bad config is still refused (exit 2, test above)."""
+    def crash(*args, **kwargs):
+        raise TypeError("cannot unpack non-iterable OpOverload object")
+    monkeypatch.setattr(dryrun_module, "check_memory", crash)
+    with pytest.raises(SystemExit) as e:
+        main(["--check-memory", "1", "--config", "debug_model.toml"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith("titanlite: error: the preflight failed inside titanlite (TypeError: cannot unpack "
+                             f"non-iterable OpOverload object) on torch {torch.__version__}; traceback in "), err
+    assert err[0].endswith("; ./run_train.sh --skip-preflight launches without it"), err
+    trace = Path(re.search(r"traceback in (\S+);", err[0]).group(1))
+    assert "in crash" in trace.read_text()
+    trace.unlink()
 
 
 def test_run_train_refuses_a_job_that_cannot_fit(tmp_path):

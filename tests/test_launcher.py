@@ -83,11 +83,17 @@ def test_stop_signal_saves_the_step_and_exits_0_with_the_stop_line_last(tmp_path
 
 
 def test_second_ctrl_c_ends_the_run_at_once(tmp_path):
+    """Every rank is held at the start of step 3 (an injected hang), so none can finish between
+    the two Ctrl-Cs, however fast the ranks run; the second comes once rank 0 has said it saw the
+    first, and ends the run at once."""
     dump = tmp_path / "dump"
-    with run_sh([*TINY, "--training.steps", "400"], dump) as (proc, out):
+    with run_sh([*TINY, "--training.steps", "400"], dump, env={"TITANLITE_FAULTS": "hang@3"}) as (proc, out):
         wait_for_step(proc, dump, 2)
         os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.2)
+        deadline = time.monotonic() + LIMIT_S
+        while not any("titanlite: SIGINT received at step" in line for line in output(out)):
+            assert time.monotonic() < deadline and proc.poll() is None, output(out)[-30:]
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
         start = time.monotonic()
         code = proc.wait(timeout=40)
@@ -101,10 +107,12 @@ def test_second_ctrl_c_ends_the_run_at_once(tmp_path):
 # -- late errors ---------------------------------------------------------------------------
 
 def test_late_config_error_is_the_last_line_and_exit_2(tmp_path):
-    # a checkpoint whose data order differs is found only when a rank loads it
+    # a checkpoint whose data order differs is found only when a rank loads it (launched without
+    # the pre-launch dry run: --skip-preflight is run_train.sh's alone, never the trainer's)
     dump = tmp_path / "dump"
     train(1, [*TINY, "--training.steps", "1", "--checkpoint.enable", "true"], dump=dump)
-    with run_sh([*TINY, "--checkpoint.enable", "true", "--data.seed", "7"], dump, ngpu=1) as (proc, out):
+    with run_sh([*TINY, "--checkpoint.enable", "true", "--data.seed", "7", "--skip-preflight"], dump,
+                ngpu=1) as (proc, out):
         code = proc.wait(timeout=LIMIT_S)
         lines = output(out)
     log = dump / "logs" / "torchrun.log"

@@ -21,10 +21,13 @@ import dataclasses
 from dataclasses import dataclass
 import json
 import multiprocessing as mp
+import os
 import sys
+import traceback
 from functools import partial
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -415,8 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     start = time.perf_counter()
+    what, skip = "the dry run", ""
     try:
         opts, rest = _parse(argv)
+        if opts["check_memory"] is not None:
+            what, skip = "the preflight", "; ./run_train.sh --skip-preflight launches without it"
         gpu = hardware.get_gpu(opts["gpu"])
         cfg, _ = config_load.load(rest)
         if opts["check_memory"] is not None:
@@ -430,6 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:  # a titanlite bug, or a torch it does not know: one line, the traceback kept
+        path = Path(tempfile.gettempdir(), f"titanlite-dryrun-{os.getpid()}.txt")
+        path.write_text(traceback.format_exc())
+        message = (str(e).strip().splitlines() or [""])[0]
+        print(f"titanlite: error: {what} failed inside titanlite ({type(e).__name__}: {message}) on torch "
+              f"{torch.__version__}; traceback in {path}{skip}", file=sys.stderr)
+        sys.exit(1)
     print_table(rep)
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")
     if opts["out"]:

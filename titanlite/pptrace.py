@@ -17,10 +17,12 @@ micro-batches per stage. tests/test_dryrun.py checks it against running every mi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.autograd.graph import GradientEdge
 
 from titanlite.steptrace import StepTracer
 
@@ -54,6 +56,20 @@ def skip_microbatches(schedule, stages: list, tracer: StepTracer, n_microbatches
         ghosts, originals = templates[key]
         return _once(ghosts, lambda g: tracer.ghost(g, originals[id(g)]))
 
+    # torch 2.15 allocates a receive buffer per micro-batch (older torch keeps one per micro-batch
+    # for good), which a skipped call takes from the stage as the real one would: autograd holds
+    # received activations as leaves, on the last stage until the step drops its losses,
+    # elsewhere until the backward; a received gradient lives through the backward. Each
+    # micro-batch's buffers are its own: copies of micro-batch 1 leave its buffers out
+    received = {}
+
+    def uncopied(run, mb):
+        out = run(mb)
+        if mb == GENERIC:
+            for t in _tensors(out):
+                tracer.uncopied(t)
+        return out
+
     for stage in stages:
         s = stage.stage_index
 
@@ -62,10 +78,12 @@ def skip_microbatches(schedule, stages: list, tracer: StepTracer, n_microbatches
                 with tracer.span(("forward", s)) if mb == GENERIC else contextlib.nullcontext():
                     out = run(mb, *args, **kwargs)
                 if mb == GENERIC:
-                    remember(("forward", s), (out, stage.fwd_cache[mb]))
+                    remember(("forward", s), (out, forward_record(stage, mb)))
                 return out
             tracer.copy(("forward", s))
-            out, stage.fwd_cache[mb] = stand_in(("forward", s))
+            if not stage.is_first:
+                received[s, mb] = _tensors(stage._retrieve_recv_activations(mb))
+            out, forward_records(stage)[mb] = stand_in(("forward", s))
             return out
 
         def backward(run, mb, *args, stage=stage, s=s, last_backward=False, full_backward=True, **kwargs):
@@ -78,7 +96,10 @@ def skip_microbatches(schedule, stages: list, tracer: StepTracer, n_microbatches
                 return
             _skippable(mb, last_backward, s)
             tracer.copy(key)
-            stage.fwd_cache.pop(mb)
+            forward_records(stage).pop(mb)
+            if not stage.is_last:
+                received.pop((s, mb), None)
+                stage._retrieve_recv_grads(mb)
             if templates[key][0] is not None:  # the first stage has no input gradient to send
                 stage.bwd_cache[mb] = stand_in(key)
 
@@ -90,6 +111,8 @@ def skip_microbatches(schedule, stages: list, tracer: StepTracer, n_microbatches
             tracer.copy(("weight", s))
 
         stage.forward_one_chunk = functools.partial(forward, stage.forward_one_chunk)
+        for name in ("_retrieve_recv_activations", "_retrieve_recv_grads"):
+            setattr(stage, name, functools.partial(uncopied, getattr(stage, name)))
         stage.backward_one_chunk = functools.partial(backward, stage.backward_one_chunk)
         stage.backward_weight_one_chunk = functools.partial(weight, stage.backward_weight_one_chunk)
 
@@ -103,7 +126,9 @@ def skip_microbatches(schedule, stages: list, tracer: StepTracer, n_microbatches
             return
         if stage.is_last:
             tracer.copy(("loss", s))
-            schedule._internal_losses.append(stand_in(("loss", s)))  # the list is indexed by micro-batch
+            ghost = stand_in(("loss", s))
+            weakref.finalize(ghost, list.clear, received.pop((s, mb), []))
+            schedule._internal_losses.append(ghost)  # the list is indexed by micro-batch
 
     schedule._maybe_compute_loss = functools.partial(loss, schedule._maybe_compute_loss)
 
@@ -113,18 +138,60 @@ def _skippable(mb: int, last_backward: bool, stage: int) -> None:
         raise RuntimeError(f"stage {stage}'s last backward is micro-batch {mb}, which the dry run skips")
 
 
+# The one private attribute of torch.distributed.pipelining the replay needs: a stage's record of
+# each micro-batch's forward (its outputs, to send, and its inputs, for backward), which a skipped
+# forward must fill with stand-ins. It is `fwd_cache` (a tuple per micro-batch) up to torch 2.14
+# and `_forward_chunk_states` (a dataclass per micro-batch) from 2.15.
+_RECORDS = ("fwd_cache", "_forward_chunk_states")
+
+
+def forward_records(stage) -> dict:
+    """The stage's per-micro-batch forward records, or one line naming this torch if unknown."""
+    for name in _RECORDS:
+        records = getattr(stage, name, None)
+        if isinstance(records, dict):
+            return records
+    raise RuntimeError(f"the dry run's pipeline replay does not know torch {torch.__version__}'s PipelineStage "
+                       f"(no {' or '.join(_RECORDS)}); run it with --full, or with a torch in pyproject's range")
+
+
+def forward_record(stage, mb: int):
+    record = forward_records(stage).get(mb)
+    if not (isinstance(record, tuple) or dataclasses.is_dataclass(record)):
+        raise RuntimeError(f"the dry run's pipeline replay cannot read torch {torch.__version__}'s forward record "
+                           f"of micro-batch {mb} ({type(record).__name__}); run it with --full")
+    return record
+
 
 def _once(x, fn):
-    """tree_map of `fn` over the tensors in `x`, once per distinct tensor (an output is also
-    cached for backward: one stand-in for both)."""
-    memo = {}
+    """`x` with `fn` applied to each tensor in it, once per distinct tensor (an output is also
+    recorded for backward: one stand-in for both); containers and dataclasses are rebuilt, and
+    autograd edges dropped (a stand-in is never differentiated, and must not keep micro-batch
+    1's graph alive)."""
+    return _walk(x, fn, {})
 
-    def one(t):
-        if id(t) not in memo:
-            memo[id(t)] = fn(t)
-        return memo[id(t)]
-    return tree_map_only(torch.Tensor, one, x)
+
+def _walk(v, fn, memo: dict):
+    # a module-level function, not a closure over itself: a cycle through its cell would keep
+    # the memo's tensors alive until the garbage collector runs, at a point no trace can predict
+    if isinstance(v, torch.Tensor):
+        if id(v) not in memo:
+            memo[id(v)] = fn(v)
+        return memo[id(v)]
+    if isinstance(v, GradientEdge):
+        return None
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return dataclasses.replace(v, **{f.name: _walk(getattr(v, f.name), fn, memo) for f in dataclasses.fields(v)})
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return type(v)(*(_walk(x, fn, memo) for x in v))
+    if isinstance(v, (list, tuple)):
+        return type(v)(_walk(x, fn, memo) for x in v)
+    if isinstance(v, dict):
+        return {k: _walk(x, fn, memo) for k, x in v.items()}
+    return v
 
 
 def _tensors(x) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+    out = []
+    _once(x, out.append)
+    return out

@@ -70,9 +70,23 @@ def _grouped_mm_flops(func, args, out) -> int:
     return 2 * a.numel() * b.shape[-1] // (a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1)
 
 
-_EXTRA_FLOPS = {_ATEN._scaled_dot_product_flash_attention_for_cpu.default: _cpu_sdpa_flops,
-                _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_sdpa_flops,
-                _ATEN._grouped_mm.default: _grouped_mm_flops}
+# titanlite's own formulas, used for these ops whatever torch's table holds: torch 2.15 added
+# one for the CPU flash kernel, with another signature and its own count of grouped K/V heads
+OWN_FLOPS = {_ATEN._scaled_dot_product_flash_attention_for_cpu.default: _cpu_sdpa_flops,
+             _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_sdpa_flops,
+             _ATEN._grouped_mm.default: _grouped_mm_flops}
+
+
+def flop_formula(func):
+    """`func`'s FLOP count as a function of (args, kwargs, out), or None: titanlite's formula
+    where it has one (OWN_FLOPS), else FlopCounterMode's, each called with its own signature."""
+    own = OWN_FLOPS.get(func)
+    if own is not None:
+        return lambda args, kwargs, out: own(func, args, out)
+    torch_formula = flop_registry.get(func._overloadpacket)
+    if torch_formula is not None:
+        return lambda args, kwargs, out: torch_formula(*args, **kwargs, out_val=out)
+    return None
 
 
 def _fake_grouped_mm(a, b, *args, **kwargs):
@@ -163,6 +177,7 @@ class StepTracer(TorchDispatchMode):
         self.live = False
         self.muted = 0
         self.marks: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
+        self.own_per_copy: set[int] = set()
 
     # ---- storage bookkeeping
     def _id(self, t: torch.Tensor, note: set[int] | None = None) -> int:
@@ -227,6 +242,13 @@ class StepTracer(TorchDispatchMode):
         """The id of the storage under `t`, None if the step never counted it (a pipeline
         stage's receive buffer, say): looking must not count it now."""
         return self.sid.get(_local(t).untyped_storage())
+
+    def uncopied(self, t: torch.Tensor) -> None:
+        """A copied span leaves out what happens to `t`'s storage: each copy has its own (a
+        pipeline stage's receive buffer, allocated outside the span and freed inside)."""
+        sid = self.storage_id(t)
+        if sid is not None:
+            self.own_per_copy.add(sid)
 
     def ghost(self, t: torch.Tensor, like: int | None = None) -> torch.Tensor:
         """A tensor like `t` that holds no counted memory: a stand-in for what a copied span
@@ -321,11 +343,8 @@ class StepTracer(TorchDispatchMode):
         if comm:
             self._collective(func, comm, args, out, ins)
         elif outs and not func.is_view:  # no tensor out (prim.device, sizes): no work
-            fn = flop_registry.get(func._overloadpacket) or _EXTRA_FLOPS.get(func)
-            flops = 0
-            if fn is not None:
-                flops = (fn(func, args, out) if func in _EXTRA_FLOPS
-                         else fn(*args, **kwargs, out_val=out))
+            formula = flop_formula(func)
+            flops = 0 if formula is None else formula(args, kwargs, out)
             self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
             self.op_io.append((tuple((self.sid.get(t.untyped_storage()), _nbytes(t)) for t in ins),
                                tuple(self.sid[t.untyped_storage()] for t in outs)))
@@ -429,7 +448,10 @@ class StepTracer(TorchDispatchMode):
                 o += seq[a[i]:b[i]]
             return out
 
-        inserts = [(at, expand(*self.spans[key][:2])) for at, key in self.copies]
+        inserts = []
+        for at, key in self.copies:
+            log_part, *rest = expand(*self.spans[key][:2])
+            inserts.append((at, ([e for e in log_part if e[1] not in self.own_per_copy], *rest)))
         streams, last = ([], [], [], [], []), (0, 0, 0)
         for at, entries in sorted(inserts, key=lambda x: x[0]):
             for whole, before, inserted in zip(streams, expand(last, at), entries):
