@@ -31,7 +31,7 @@ set -- ${args[@]+"${args[@]}"}
 # The config alone is checked without torch (fast), then the trainer's preflight (layout,
 # model, files) and a dry run of one step on fake tensors (seconds) that refuses a layout
 # that cannot fit in memory.
-python -m titanlite.config_load "$@"
+python -m titanlite.config.load "$@"
 if (( preflight )); then
   python -m titanlite.dryrun --check-memory "$NGPU" --ngpu $((NGPU * NNODES)) "$@"
 fi
@@ -46,5 +46,5 @@ fi
 # torchrun runs under titanlite's launcher: a stop signal ends in exit 0 and the stop line, a
 # rank's failure in its own one-line error and exit code; torchrun's report goes to
 # <dump_folder>/logs/torchrun.log
-exec python -m titanlite.launch "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter="${LOG_RANK:-0}" \
+exec python -m titanlite.runtime.launch "${launch[@]}" --nproc_per_node="$NGPU" --local-ranks-filter="${LOG_RANK:-0}" \
   -- "$@"

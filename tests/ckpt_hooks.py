@@ -12,7 +12,7 @@ import signal
 from torch.distributed.checkpoint import FileSystemWriter
 
 from titanlite import train
-from titanlite.checkpoint import CheckpointManager
+from titanlite.checkpoint.dcp import CheckpointManager
 
 HOOK = os.environ.get("TITANLITE_TEST_HOOK", "")
 

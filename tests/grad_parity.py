@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.attention import AttnContext
-from titanlite.config import ActivationCheckpoint, Compile, Parallelism
+from titanlite.layers.attention import AttnContext
+from titanlite.config.job import ActivationCheckpoint, Compile, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, loss_context
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite import init
+from titanlite.layers import init
 from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads

@@ -98,7 +98,7 @@ def _finished(run: Run, nproc: int) -> bool:
 
 
 # What a rank would import anyway; the fork server imports it once.
-_PRELOAD = ["titanlite.train", "titanlite.dryrun", "torch.distributed.pipelining", "torch.distributed.checkpoint",
+_PRELOAD = ["titanlite.train", "titanlite.dryrun.run", "torch.distributed.pipelining", "torch.distributed.checkpoint",
             "torch._inductor.compile_fx"]
 _FORKS = multiprocessing.get_context("forkserver")
 _started = False

@@ -13,13 +13,13 @@ import pytest
 import torch
 from harness import TINY, assert_parity, launch, train
 
-from titanlite import config_load
-from titanlite.checkpoint import _Data, load_tensors
-from titanlite.config import Data
+from titanlite.config import load as config_load
+from titanlite.checkpoint.dcp import _Data, load_tensors
+from titanlite.config.job import Data
 from titanlite.errors import ConfigError
-from titanlite.data import build_dataloader
-from titanlite.tokenizer import build_tokenizer
-from titanlite.preflight import preflight
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.config.preflight import preflight
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "10"]

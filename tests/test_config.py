@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 
-from titanlite import config_load
+from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
-from titanlite.config_load import load
+from titanlite.config.load import load
 from titanlite.optim import lr_factor, warmup_note
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.preflight import preflight
+from titanlite.config.preflight import preflight
 
 
 def write(tmp_path, text):

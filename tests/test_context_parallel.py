@@ -10,12 +10,12 @@ from harness import TINY, assert_parity, launch, reference, train
 
 from titanlite.models.llama3 import flavors
 from titanlite.models.llama3.model import Transformer
-from titanlite import config_load
-from titanlite.attention import AttnContext
+from titanlite.config import load as config_load
+from titanlite.layers.attention import AttnContext
 from titanlite.errors import ConfigError
 from titanlite.parallel.context import shard_sequence
-from titanlite.data import document_spans
-from titanlite.preflight import preflight
+from titanlite.data.loader import document_spans
+from titanlite.config.preflight import preflight
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 DOCS = ["--data.document_mask", "true"]

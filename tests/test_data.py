@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Data
+from titanlite.config.job import Data
 from titanlite.errors import ConfigError
-from titanlite.data import token_stream, build_dataloader, split_stream
-from titanlite.tokenizer import ByteTokenizer, build_tokenizer
+from titanlite.data.loader import token_stream, build_dataloader, split_stream
+from titanlite.data.tokenizer import ByteTokenizer, build_tokenizer
 
 BYTE = ByteTokenizer()
 

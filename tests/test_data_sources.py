@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_data import BYTE, global_batches, hf_folder, write_jsonl  # noqa: F401 (fixture)
 
-from titanlite import config_load
-from titanlite.config import Data
+from titanlite.config import load as config_load
+from titanlite.config.job import Data
 from titanlite.errors import ConfigError
-from titanlite.data import build_dataloader, build_dataset, mix_schedule, token_stream
-from titanlite.sources import parse_mix, read_documents
+from titanlite.data.loader import build_dataloader, build_dataset, mix_schedule, token_stream
+from titanlite.data.sources import parse_mix, read_documents
 
 # the test extra installs these: a missing one must fail, not skip
 import datasets  # noqa: E402
@@ -105,7 +105,7 @@ def test_streaming_exact_resume_and_epochs(tmp_path, num_workers):
 
 def test_streaming_reshuffles_epochs(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", 20)
-    from titanlite.streaming import StreamingSamples
+    from titanlite.data.streaming import StreamingSamples
 
     def first_docs(shuffle):
         ds = StreamingSamples(Data(path=str(path), shuffle=shuffle, shuffle_buffer=100), BYTE, 16, 8, 8, 0, 1)
@@ -201,8 +201,8 @@ def test_empty_sources(tmp_path):
 
 
 def test_vocab_check(hf_folder):  # noqa: F811
-    from titanlite.tokenizer import build_tokenizer
-    from titanlite.preflight import preflight
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.config.preflight import preflight
 
     n = build_tokenizer(str(hf_folder)).vocab_size
     assert 256 < n <= 512  # the debug model embeds 512 rows
@@ -215,9 +215,9 @@ def test_vocab_check(hf_folder):  # noqa: F811
 
 RESUME_SCRIPT = """
 import json, sys, torch
-from titanlite.config import Data
-from titanlite.data import build_dataloader
-from titanlite.tokenizer import ByteTokenizer
+from titanlite.config.job import Data
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import ByteTokenizer
 cfg, state_file, out = Data(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
 loader = build_dataloader(cfg, ByteTokenizer(), seq_len=16, global_batch_size=8, local_batch_size=2,
                           dp_rank=1, dp_degree=2)
@@ -268,8 +268,8 @@ def test_bad_sources_fail_at_check_with_one_line(tmp_path, docs):
 
 
 def test_validation_reads_each_sample_at_most_once(docs):
-    from titanlite.config import Validation
-    from titanlite.validation import Validator
+    from titanlite.config.job import Validation
+    from titanlite.data.validation import Validator
 
     data = Data(path=str(docs), holdout_fraction=0.2)
     n = build_dataset(data, BYTE, 16, "val").num_samples
@@ -304,8 +304,8 @@ def test_every_source_kind_gives_the_same_batches(tmp_path):
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_validation_reads_the_same_batches_every_time(docs, streaming):
-    from titanlite.config import Validation
-    from titanlite.validation import Validator
+    from titanlite.config.job import Validation
+    from titanlite.data.validation import Validator
 
     v = Validator(Validation(freq=1, steps=3, path=str(docs)), Data(path=str(docs), streaming=streaming),
                   BYTE, 16, 8, 2, 1, 2, None)

@@ -18,10 +18,14 @@ import pytest
 import torch
 from harness import REPO, _env
 
-from titanlite import config_load as config, dryrun as dryrun_module, hardware
-from titanlite.dryrun import dry_run, main, report
+from titanlite.config import load as config
+
+from titanlite.dryrun import run as dryrun_module
+
+from titanlite.dryrun import hardware
+from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec
-from titanlite.steptrace import OWN_FLOPS, PHASES
+from titanlite.dryrun.steptrace import OWN_FLOPS, PHASES
 from torch.utils.flop_counter import flop_registry
 
 CONFIGS = sorted((REPO / "train_configs").glob("*.toml"))
@@ -91,7 +95,7 @@ def _assert_same_trace(a, b) -> None:
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
 def test_pipeline_replay_equals_every_block_and_microbatch(schedule, monkeypatch):
     """Pipeline stages of 5 or more blocks and 6 micro-batches: traced with 4 blocks per stage
-    and three micro-batches (the rest counted as copies: titanlite.pptrace) and replayed, against
+    and three micro-batches (the rest counted as copies: titanlite.dryrun.pptrace) and replayed, against
     every block and micro-batch traced: the same peaks per phase and category, collectives,
     FLOPs and time terms, on the first and the last pipeline rank.
     1F1B: pp 2 x tp 2 (no FSDP: autocast casts the weights, loss parallel on DTensor logits).

@@ -21,7 +21,7 @@ import pytest
 import torch
 from harness import REPO, TINY, Forked, _env, fork_ranks, launch, train
 
-from titanlite.checkpoint import load_tensors
+from titanlite.checkpoint.dcp import load_tensors
 
 LIMIT_S = 120
 
@@ -117,8 +117,8 @@ def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
 LATE_STOP = """
 import os, signal, sys, torch
 import torch.distributed as dist
-from titanlite.config import Comm, Training
-from titanlite.fault import Guard, RunError
+from titanlite.config.job import Comm, Training
+from titanlite.runtime.fault import Guard, RunError
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 guard = Guard(0, sys.argv[1], Comm(), Training(), shutdown_timeout_s=60, start_step=2)
 guard.start_step(3)

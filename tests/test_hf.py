@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs, Transformer
-from titanlite.checkpoint import load_tensors, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
 from titanlite.errors import ConfigError
 from titanlite.tools.convert import main as convert_main
-from titanlite.hf_io import check_hf_config, read_config, read_safetensors
+from titanlite.checkpoint.hf import check_hf_config, read_config, read_safetensors
 
 ADAPTER = SPEC.hf
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

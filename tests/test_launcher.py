@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import REPO, TINY, _env, train
 
-from titanlite.launch import _verdict
+from titanlite.runtime.launch import _verdict
 
 LIMIT_S = 120
 LOG = Path("/dump/logs/torchrun.log")

@@ -14,11 +14,11 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 import titanlite.models.llama3 as llama3
-from titanlite.config import ActivationCheckpoint, Compile, Optimizer
+from titanlite.config.job import ActivationCheckpoint, Compile, Optimizer
 from titanlite.parallel.mesh import ParallelDims
 from titanlite.loss import cross_entropy_sum, loss_context
-from titanlite import init
-from titanlite.config import LRScheduler
+from titanlite.layers import init
+from titanlite.config.job import LRScheduler
 from titanlite.optim import build_optimizers
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import reduce_partial_grads

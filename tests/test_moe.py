@@ -1,4 +1,4 @@
-"""titanlite.moe on one process: routing, grouped GEMM against the loop, balancing, the auxiliary loss."""
+"""titanlite.layers.moe on one process: routing, grouped GEMM against the loop, balancing, the auxiliary loss."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.loss import extra_losses
-from titanlite.moe import AUX_LOSS, MoE, MoEArgs, grouped_mm_supported, update_router_bias
+from titanlite.layers.moe import AUX_LOSS, MoE, MoEArgs, grouped_mm_supported, update_router_bias
 
 DIM = 64
 ARGS = MoEArgs(num_experts=8, top_k=2, hidden=32)

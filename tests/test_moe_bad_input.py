@@ -5,11 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from titanlite import config_load, moe
+from titanlite.config import load as config_load
+
+from titanlite.layers import moe
 from titanlite.errors import ConfigError
 from titanlite.models.qwen3_moe import SPEC, flavors
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.preflight import preflight
+from titanlite.config.preflight import preflight
 
 MOE = ["--model.name", "qwen3_moe", "--training.seq_len", "64"]
 

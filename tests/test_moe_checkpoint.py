@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from harness import TINY, train
 
-from titanlite.checkpoint import load_tensors
+from titanlite.checkpoint.dcp import load_tensors
 
 BASE = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "5", "--moe.aux_loss_coeff", "0.01",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from harness import REPO, TINY, Run, _env, assert_grad_parity, assert_parity, reference, train
 
-from titanlite import config_load
+from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
-from titanlite.preflight import preflight
+from titanlite.config.preflight import preflight
 
 GLOBAL4 = [*TINY, "--training.global_batch_size", "4"]
 

@@ -8,15 +8,16 @@ from harness import TINY, train
 
 from titanlite.models.qwen3 import SPEC, flavors, hf
 from titanlite.models.qwen3.model import Transformer
-from titanlite import config_load, init
-from titanlite.checkpoint import load_tensors, write_model_checkpoint
-from titanlite.config import Data
+from titanlite.config import load as config_load
+from titanlite.layers import init
+from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.tools.convert import main as convert_main
-from titanlite.data import build_dataloader
-from titanlite.hf_io import read_config, read_safetensors
-from titanlite.tokenizer import ByteTokenizer
-from titanlite.preflight import preflight
+from titanlite.data.loader import build_dataloader
+from titanlite.checkpoint.hf import read_config, read_safetensors
+from titanlite.data.tokenizer import ByteTokenizer
+from titanlite.config.preflight import preflight
 
 import transformers  # noqa: E402
 

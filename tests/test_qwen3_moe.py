@@ -11,11 +11,11 @@ from titanlite.models.qwen3_moe.model import Transformer
 from titanlite.errors import ConfigError
 from harness import TINY, train
 
-from titanlite.checkpoint import load_tensors, write_model_checkpoint
-from titanlite.config import Data
-from titanlite.data import build_dataloader
-from titanlite.hf_io import read_config, read_safetensors
-from titanlite.tokenizer import ByteTokenizer
+from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.config.job import Data
+from titanlite.data.loader import build_dataloader
+from titanlite.checkpoint.hf import read_config, read_safetensors
+from titanlite.data.tokenizer import ByteTokenizer
 from titanlite.tools.convert import main as convert_main
 
 import transformers  # noqa: E402

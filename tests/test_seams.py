@@ -20,8 +20,8 @@ from harness import REPO, _env
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from titanlite import init
-from titanlite.config import ActivationCheckpoint, Compile, Float8
+from titanlite.layers import init
+from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.loss import add_extra_loss, extra_losses
 from titanlite.model_spec import get_model_spec
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
@@ -134,8 +134,8 @@ def test_float8_converts_the_linear_layers_inside_blocks_of_every_family(family)
 PHASE = """
 import sys, time, torch
 import torch.distributed as dist
-from titanlite.config import Comm, Training
-from titanlite.fault import Guard
+from titanlite.config.job import Comm, Training
+from titanlite.runtime.fault import Guard
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 guard = Guard(0, sys.argv[1], Comm(train_timeout_s=1, validation_timeout_s=60), Training(), 60, start_step=1)
 guard.start_step(2)

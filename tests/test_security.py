@@ -5,7 +5,7 @@ from pathlib import Path
 
 from harness import REPO
 
-from titanlite import config_load
+from titanlite.config import load as config_load
 
 SOURCES = sorted((REPO / "titanlite").rglob("*.py")) + sorted((REPO / "models").rglob("*.py"))
 

@@ -47,7 +47,7 @@ def _forward_retained_bytes(mode: str, selective_type: str = "layer") -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from titanlite.models.llama3 import SPEC, flavors
-    from titanlite.config import ActivationCheckpoint
+    from titanlite.config.job import ActivationCheckpoint
     from titanlite.parallel.apply import apply_ac
 
     args = flavors["debugmodel"]
@@ -93,8 +93,8 @@ def test_bench_reports_and_estimate_matches_measured_peak(tmp_path):
     stage's ranks (the first stage holds the embedding, the last the output and the loss)."""
     import json
 
-    from titanlite import config_load
-    from titanlite.dryrun import dry_run
+    from titanlite.config import load as config_load
+    from titanlite.dryrun.run import dry_run
 
     job = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "4",
            "--parallelism.pipeline_parallel_degree", "2"]
@@ -126,7 +126,7 @@ def test_moe_estimate_matches_measured_peak(tmp_path):
     between ranks, so the balanced estimate is checked against the ranks' mean."""
     import json
 
-    from titanlite import config_load
+    from titanlite.config import load as config_load
     from titanlite.tools.estimate import estimate
 
     job = ["--config", "qwen3_moe_debug.toml", "--training.seq_len", "64", "--training.local_batch_size", "4"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from titanlite.config import Compile
+from titanlite.config.job import Compile
 
 IGNORE_INDEX = -100
 

@@ -41,7 +41,7 @@ class ModelSpec:
     check_layout: Callable[[Any, Any], None] = lambda args, dims: None
     """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model."""
     hf: Any = None
-    """titanlite.hf_io.HFAdapter mapping weights and config to transformers, if the family has one."""
+    """titanlite.checkpoint.hf.HFAdapter mapping weights and config to transformers, if the family has one."""
     blocks: str = "layers"
     """Attribute holding the transformer blocks: an nn.ModuleDict keyed "0".."n-1"."""
     pre: tuple[str, ...] = ("tok_embeddings",)
@@ -69,7 +69,7 @@ def get_model_spec(name: str) -> ModelSpec:
 
 def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None) -> Any:
     """The flavor's args with config overrides applied and checked (`moe`: the [moe] section,
-    for families whose args carry titanlite.moe.MoEArgs as `moe`)."""
+    for families whose args carry titanlite.layers.moe.MoEArgs as `moe`)."""
     if flavor not in spec.flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{flavor}' for '{spec.name}'; "
                           f"available: {', '.join(spec.flavors)}")

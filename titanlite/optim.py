@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite.config import LRScheduler, Optimizer
+from titanlite.config.job import LRScheduler, Optimizer
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite.attention import AttnContext
+from titanlite.layers.attention import AttnContext
 from titanlite.loss import IGNORE_INDEX, extra_losses, loss_context
 
 Batch = dict[str, torch.Tensor]
@@ -57,7 +57,7 @@ class PlainStep:
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.fault.Guard.inject_loss)."""
+    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss)."""
     mirrors: tuple[nn.Parameter, ...] = ()
     """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
     gradient norm counts them once, through the original."""

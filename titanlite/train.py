@@ -19,13 +19,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite import config_load, fault, gc_control, init
-from titanlite.checkpoint import CheckpointManager
-from titanlite.config import JobConfig
-from titanlite.data import build_dataloader
+from titanlite.config import load as config_load
+
+from titanlite.runtime import fault
+
+from titanlite.runtime import gc_control
+
+from titanlite.layers import init
+from titanlite.checkpoint.dcp import CheckpointManager
+from titanlite.config.job import JobConfig
+from titanlite.data.loader import build_dataloader
 from titanlite.errors import ConfigError, RunError
-from titanlite.fault import Guard, enable_flight_recorder
-from titanlite.launch import last_word
+from titanlite.runtime.fault import Guard, enable_flight_recorder
+from titanlite.runtime.launch import last_word
 from titanlite.loss import build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.optim import build_optimizers, by_mesh, warmup_note
@@ -33,10 +39,10 @@ from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
-from titanlite.preflight import Plan, param_dtype, preflight
-from titanlite.profiling import Profiler
+from titanlite.config.preflight import Plan, param_dtype, preflight
+from titanlite.runtime.profiling import Profiler
 from titanlite.step import PlainStep
-from titanlite.validation import Validator
+from titanlite.data.validation import Validator
 
 
 def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:

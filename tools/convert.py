@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint import load_tensors, read_info, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_tensors, read_info, write_model_checkpoint
 from titanlite.errors import ConfigError
-from titanlite.hf_io import read_config, read_safetensors, write_hf_folder
+from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 FORMATS = ("dcp", "hf", "torch")

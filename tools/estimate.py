@@ -1,6 +1,6 @@
 """Memory estimate per rank before launch: `python -m titanlite.tools.estimate --config X --ngpu N [overrides]`.
 
-A dry run of one real training step (titanlite.dryrun) on fake tensors and a fake process
+A dry run of one real training step (titanlite.dryrun.run) on fake tensors and a fake process
 group, as this machine would train it (CUDA: bf16 by default; CPU: float32): the peak of the
 memory the step's tensors take, by category. Nothing real is allocated. Covers every model
 family and layout that train.py runs, since it runs the same setup.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 
 
-from titanlite import config_load
+from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
-from titanlite.dryrun import GIB, estimate, train_device
-from titanlite.steptrace import CATEGORIES
+from titanlite.dryrun.run import GIB, estimate, train_device
+from titanlite.dryrun.steptrace import CATEGORIES
 
 def _parse(argv: list[str]) -> tuple[int, list[str]]:
     ngpu, rest, i = 1, [], 0

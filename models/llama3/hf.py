@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from titanlite.errors import ConfigError
-from titanlite.hf_io import HFAdapter
+from titanlite.checkpoint.hf import HFAdapter
 
 from .model import ModelArgs
 

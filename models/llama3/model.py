@@ -1,6 +1,6 @@
 """Llama 3, as plain single-device PyTorch.
 
-Parallelism lives in parallelize.py; attention goes through titanlite.attention.sdpa,
+Parallelism lives in parallelize.py; attention goes through titanlite.layers.attention.sdpa,
 which handles context parallelism and masking. Read top to bottom.
 """
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite import init
-from titanlite.attention import AttnContext, sdpa
+from titanlite.layers import init
+from titanlite.layers.attention import AttnContext, sdpa
 
 
 @dataclass(frozen=True)

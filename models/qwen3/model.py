@@ -3,7 +3,7 @@
 Differences from Llama 3: an explicit head_dim (q/k/v widths need not equal dim),
 RMSNorm on each query and key head before RoPE, RoPE in the rotate-half layout
 that Qwen's released weights use, and an explicit FFN width. Parallelism lives in
-parallelize.py; attention goes through titanlite.attention.sdpa. Read top to bottom.
+parallelize.py; attention goes through titanlite.layers.attention.sdpa. Read top to bottom.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite import init
-from titanlite.attention import AttnContext, sdpa
+from titanlite.layers import init
+from titanlite.layers.attention import AttnContext, sdpa
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Qwen3-MoE family: flavors with the published shapes, and the spec the framework loads."""
 
 from titanlite.model_spec import ModelSpec
-from titanlite.moe import AUX_LOSS, MoEArgs, post_step_hooks
+from titanlite.layers.moe import AUX_LOSS, MoEArgs, post_step_hooks
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer

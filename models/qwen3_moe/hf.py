@@ -18,8 +18,8 @@ import torch
 from titanlite.models.qwen3.hf import _LAYER as _DENSE_LAYER
 from titanlite.models.qwen3.hf import _TOP
 from titanlite.errors import ConfigError
-from titanlite.hf_io import HFAdapter
-from titanlite.moe import MoEArgs
+from titanlite.checkpoint.hf import HFAdapter
+from titanlite.layers.moe import MoEArgs
 
 from .model import ModelArgs
 

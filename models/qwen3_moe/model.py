@@ -1,6 +1,6 @@
 """Qwen3-MoE, as plain single-device PyTorch.
 
-Qwen3 dense with the feed-forward of (by default) every block replaced by titanlite.moe.MoE:
+Qwen3 dense with the feed-forward of (by default) every block replaced by titanlite.layers.moe.MoE:
 softmax router over 128 experts, top 8, top-k probabilities renormalised, no shared expert.
 Attention (QK-norm, rotate-half RoPE in float32 angles) is Qwen3's, imported from that
 family: the two families run the same attention by definition, and a fork of the dense family
@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from titanlite.models.qwen3.model import Attention, FeedForward, rope_angles
-from titanlite import init
-from titanlite.attention import AttnContext
-from titanlite.moe import MoE, MoEArgs
+from titanlite.layers import init
+from titanlite.layers.attention import AttnContext
+from titanlite.layers.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)

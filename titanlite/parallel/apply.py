@@ -16,9 +16,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.config import ActivationCheckpoint, Compile, Float8
+from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
-from titanlite.moe import moe_layers
+from titanlite.layers.moe import moe_layers
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes

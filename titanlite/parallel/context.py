@@ -3,7 +3,7 @@
 Head-tail load balancing: the sequence is cut into 2N chunks and cp rank i holds chunks
 i and 2N-1-i, so under a causal mask every rank has the same attention work. Attention
 all-gathers K and V over the cp group (their gradients are reduce-scattered back) and
-runs local SDPA; see titanlite.attention. Plain collectives only, so it trains on CPU
+runs local SDPA; see titanlite.layers.attention. Plain collectives only, so it trains on CPU
 (gloo) as well as on GPU, and composes with FSDP and TP.
 """
 

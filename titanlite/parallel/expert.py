@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titanlite.moe import GroupedExperts, MoE
+from titanlite.layers.moe import GroupedExperts, MoE
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from titanlite.config import Float8
+from titanlite.config.job import Float8
 from titanlite.errors import ConfigError
 
 

@@ -27,8 +27,8 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
                                                     get_schedule_class)
 
-from titanlite.attention import AttnContext
-from titanlite.config import Parallelism
+from titanlite.layers.attention import AttnContext
+from titanlite.config.job import Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import extra_losses, loss_context
 from titanlite.model_spec import ModelSpec
@@ -218,7 +218,7 @@ class PipelineStep:
     device: torch.device
     shapes: StageShapes
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.fault.Guard.inject_loss), on the last stage's losses."""
+    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss), on the last stage's losses."""
 
     def __post_init__(self) -> None:
         if self.opts.compile.enable and self.schedule_name in SPLIT_BACKWARD:

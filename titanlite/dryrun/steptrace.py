@@ -146,7 +146,7 @@ class Trace:
     block_ops: list[tuple[int, int]] = field(repr=False)
     """What one block period adds to the step (every local stage, every micro-batch)."""
     copied: int = 0
-    """Calls the step skipped and counted as copies of another (titanlite.pptrace)."""
+    """Calls the step skipped and counted as copies of another (titanlite.dryrun.pptrace)."""
 
 
 class StepTracer(TorchDispatchMode):
@@ -222,7 +222,7 @@ class StepTracer(TorchDispatchMode):
 
     def copy(self, key: tuple) -> None:
         """Count here, once more, what the span `key` logged: work the step skipped because it
-        repeats that span exactly (a pipeline micro-batch like another; titanlite.pptrace)."""
+        repeats that span exactly (a pipeline micro-batch like another; titanlite.dryrun.pptrace)."""
         self.copies.append((self.cursor(), key))
         self.set_phase(self.spans[key][2])
 
@@ -380,7 +380,7 @@ class StepTracer(TorchDispatchMode):
         """Replay the step with each storage's final category; call before the step's tensors die.
 
         A deeper model's step is replayed from this one: its extra blocks do what one block
-        period already did here (titanlite.blocktrace).
+        period already did here (titanlite.dryrun.blocktrace).
         - Each (start, end) span in `repeat` (cursors: the period's forward or backward, or
           what is done for it elsewhere, as FSDP's gathers and gradient reductions under a
           pipeline schedule) counts `times` times.

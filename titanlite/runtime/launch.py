@@ -1,6 +1,6 @@
 """The launcher behind run_train.sh: torchrun under supervision, so a run ends the way titanlite says.
 
-    python -m titanlite.launch [torchrun options] -- [trainer options]
+    python -m titanlite.runtime.launch [torchrun options] -- [trainer options]
 
 Run bare, torchrun turns a forwarded SIGTERM into a traceback and exit 1, and any rank's failure
 into a 30-line report and exit 1, whatever the rank said. Here:
@@ -126,7 +126,7 @@ def _verdict(reports: dict[int, dict], result: dict | None, signals: list[int], 
 
 
 def launch(torchrun_args: list[str], train_args: list[str]) -> int:
-    from titanlite import config_load
+    from titanlite.config import load as config_load
 
     cfg, _ = config_load.load(train_args)  # run_train.sh has checked it already
     node = _option(torchrun_args, "--node_rank")  # given only to multi-node launches
@@ -145,7 +145,7 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        cmd = [sys.executable, "-m", "titanlite.launch", "--agent", str(folder / "agent.json"), str(log),
+        cmd = [sys.executable, "-m", "titanlite.runtime.launch", "--agent", str(folder / "agent.json"), str(log),
                *torchrun_args, "-m", "titanlite.train", *train_args]
         agent = subprocess.Popen(cmd, env={**os.environ, REPORT_DIR_ENV: str(folder)}, start_new_session=True,
                                  preexec_fn=_die_with_parent)
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
         agent(argv[1], argv[2], argv[3:])
         return 0
     if "--" not in argv:
-        print("usage: python -m titanlite.launch [torchrun options] -- [trainer options]", file=sys.stderr)
+        print("usage: python -m titanlite.runtime.launch [torchrun options] -- [trainer options]", file=sys.stderr)
         return 2
     split = argv.index("--")
     return launch(argv[:split], argv[split + 1:])

@@ -1,7 +1,7 @@
 """Measure the pipeline bubble on CPU: GPipe and 1F1B at pp 2 with m micro-batches, against the
 same work on one process, next to the textbook bubble fraction (p-1)/(m+p-1).
 
-    OMP_NUM_THREADS=1 python scripts/bench_pp_bubble.py
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_pp_bubble
 
 Each pp 2 rank does half the blocks; if the stages never waited, a step would take T1/p (T1: the
 same micro-batches through the whole model on one process). The measured bubble is
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite import init
-from titanlite.config import ActivationCheckpoint, Compile, Parallelism
+from titanlite.layers import init
+from titanlite.config.job import ActivationCheckpoint, Compile, Parallelism
 from titanlite.loss import cross_entropy_sum
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.parallel import pipeline

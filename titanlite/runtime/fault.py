@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titanlite.config import Comm, Training
+from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
-from titanlite.launch import last_word
+from titanlite.runtime.launch import last_word
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a

@@ -1,6 +1,6 @@
 """Checkpoint throughput on one CPU process: sync save, load, and the blocking part of an async save.
 
-    OMP_NUM_THREADS=1 python scripts/bench_checkpoint.py [--dim 768 --layers 12 --vocab 32000] [--folder DIR]
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_checkpoint [--dim 768 --layers 12 --vocab 32000] [--folder DIR]
 
 Uses the trainer's CheckpointManager on a ~100M-parameter Llama (fp32 weights + AdamW
 state = ~12 bytes per parameter on disk). GB/s is checkpoint bytes / wall seconds.
@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs
-from titanlite.checkpoint import CheckpointManager
+from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.optim import Optimizers
-from titanlite.config import Checkpoint, Data
-from titanlite.data import build_dataloader
+from titanlite.config.job import Checkpoint, Data
+from titanlite.data.loader import build_dataloader
 from titanlite.parallel.mesh import init_process_group
-from titanlite.tokenizer import build_tokenizer
+from titanlite.data.tokenizer import build_tokenizer
 
 
 def folder_bytes(path: Path) -> int:

@@ -19,10 +19,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import Data
+from titanlite.config.job import Data
 from titanlite.errors import ConfigError
-from titanlite.sources import source_name, stream_documents
-from titanlite.tokenizer import Tokenizer
+from titanlite.data.sources import source_name, stream_documents
+from titanlite.data.tokenizer import Tokenizer
 
 _ENCODE_CHUNK = 64  # documents per batched tokenizer call
 

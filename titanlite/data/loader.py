@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import Data, Validation
+from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
-from titanlite.sources import parse_mix, probe_source, read_documents, source_name
-from titanlite.tokenizer import Tokenizer
+from titanlite.data.sources import parse_mix, probe_source, read_documents, source_name
+from titanlite.data.tokenizer import Tokenizer
 
 MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
 
@@ -255,7 +255,7 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
     if not 0 <= dp_rank < D:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp degree {D}")
     if cfg.streaming:
-        from titanlite.streaming import build_streaming_loader
+        from titanlite.data.streaming import build_streaming_loader
 
         return build_streaming_loader(cfg, tokenizer, seq_len, G, L, dp_rank, D)
     dataset = build_dataset(cfg, tokenizer, seq_len, split)

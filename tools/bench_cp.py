@@ -1,6 +1,6 @@
 """Peak memory per rank and throughput of context parallelism at a long sequence, on CPU.
 
-    OMP_NUM_THREADS=1 python scripts/bench_cp.py --seq-len 8192 --cp 1 2 4
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_cp --seq-len 8192 --cp 1 2 4
 
 Each cp degree runs the real trainer under torchrun (gloo, one sample of seq_len per
 step, debugmodel); every rank records its own peak RSS when it exits. glibc is told to

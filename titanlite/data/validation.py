@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config import Data, Validation
+from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
-from titanlite.data import build_dataloader
-from titanlite.sources import check_text, parse_mix, source_bytes
-from titanlite.tokenizer import Tokenizer
+from titanlite.data.loader import build_dataloader
+from titanlite.data.sources import check_text, parse_mix, source_bytes
+from titanlite.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 

@@ -1,6 +1,6 @@
 """Data loader throughput (tokens/s) with a Hugging Face BPE tokenizer vs. what training consumes.
 
-    OMP_NUM_THREADS=1 python scripts/bench_data.py [--seq-len 256] [--batch 8] [--mb 4]
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_data [--seq-len 256] [--batch 8] [--mb 4]
 
 Trains a byte-level BPE tokenizer on part of the standard library, writes a jsonl corpus, then
 measures (1) the one-off tokenize-and-pack pass of the map-style loader, (2) its steady
@@ -23,10 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from titanlite.config import Data  # noqa: E402
-from titanlite.data import build_dataloader, token_stream  # noqa: E402
-from titanlite.sources import read_documents  # noqa: E402
-from titanlite.tokenizer import build_tokenizer  # noqa: E402
+from titanlite.config.job import Data  # noqa: E402
+from titanlite.data.loader import build_dataloader, token_stream  # noqa: E402
+from titanlite.data.sources import read_documents  # noqa: E402
+from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def make_tokenizer(texts: list[str], folder: Path, vocab: int) -> None:

@@ -13,18 +13,18 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titanlite.checkpoint import check_shapes, read_info, read_metadata, resume_step, saved_shapes
-from titanlite.config import Checkpoint, JobConfig, Training
-from titanlite.data import probe_data
+from titanlite.checkpoint.dcp import check_shapes, read_info, read_metadata, resume_step, saved_shapes
+from titanlite.config.job import Checkpoint, JobConfig, Training
+from titanlite.data.loader import probe_data
 from titanlite.errors import ConfigError
-from titanlite.hf_io import check_hf_config
+from titanlite.checkpoint.hf import check_hf_config
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
-from titanlite.moe import grouped_mm_supported
+from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
 from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages, tied_names
-from titanlite.tokenizer import Tokenizer, build_tokenizer
-from titanlite.validation import preflight_data
+from titanlite.data.tokenizer import Tokenizer, build_tokenizer
+from titanlite.data.validation import preflight_data
 
 
 @dataclass

@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch.autograd.graph import GradientEdge
 
-from titanlite.steptrace import StepTracer
+from titanlite.dryrun.steptrace import StepTracer
 
 GENERIC = 1
 """The micro-batch whose calls stand in for the skipped ones: neither a stage's first nor its last."""

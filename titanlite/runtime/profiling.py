@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from titanlite.config import Profiling
+from titanlite.config.job import Profiling
 
 
 class Profiler:

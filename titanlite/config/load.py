@@ -1,6 +1,6 @@
 """Loading the job config: defaults < TOML < command line, then strict checks.
 
-`python -m titanlite.config_load ARGS` runs the checks without importing torch (run_train.sh's
+`python -m titanlite.config.load ARGS` runs the checks without importing torch (run_train.sh's
 first, sub-second check).
 """
 
@@ -15,10 +15,10 @@ import os
 import typing
 from pathlib import Path
 
-from titanlite.config import Data, JobConfig, Validation
+from titanlite.config.job import Data, JobConfig, Validation
 from titanlite.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent / "train_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 
 
 def _sections() -> dict[str, type]:
@@ -262,7 +262,7 @@ def check_config(cfg: JobConfig) -> None:
 
 
 def _check_data(d: Data, v: Validation) -> None:
-    from titanlite.sources import check_source, parse_mix
+    from titanlite.data.sources import check_source, parse_mix
 
     if d.mix:
         if d.path:

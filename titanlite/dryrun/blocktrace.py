@@ -4,7 +4,7 @@ Blocks are identical. Blocks 0 and 1 and the last differ from the others (FSDP g
 first ahead of time; the last has no next block to prefetch), so the dry run builds each
 stage with a few blocks and lets block 2 (with `selective` layer AC, the whole period from
 block 2) stand for every block the real model has in between: the tracer replays what that
-block did once per such block (titanlite.steptrace.StepTracer.result). What it did is:
+block did once per such block (titanlite.dryrun.steptrace.StepTracer.result). What it did is:
 
 - its forward and its backward, each from its mark to the next block's (the marks follow
   FSDP's hooks for a block: its unshard, the prefetch of the next one);
@@ -24,7 +24,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from titanlite.parallel.grad_norm import reduce_partial_grads
-from titanlite.steptrace import StepTracer, within
+from titanlite.dryrun.steptrace import StepTracer, within
 
 
 def traced_depth(n: int, period: int, full: bool) -> int:

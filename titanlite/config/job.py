@@ -2,7 +2,7 @@
 
 Every field carries a docstring, which `--help` prints. Functions elsewhere take only the
 section(s) they need. Loading (defaults < TOML < command line) and the checks live in
-titanlite.config_load.
+titanlite.config.load.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ class Float8:
 
 @dataclass(frozen=True)
 class MoE:
-    """Mixture-of-experts training knobs (model families whose blocks use titanlite.moe)."""
+    """Mixture-of-experts training knobs (model families whose blocks use titanlite.layers.moe)."""
 
     aux_loss_coeff: float = 0.0
     """Weight of the load-balancing auxiliary loss (Switch style; loads counted over each

@@ -6,13 +6,13 @@
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
 nothing) with fake tensors (shapes, no storage): the real config loading and preflight, the
 real model build and parallelize, and one real step (forward, backward, gradient norm,
-clipping, AdamW). titanlite.steptrace watches it: peak memory by category, collectives,
-FLOPs. titanlite.hardware turns that into a predicted step time for a named GPU.
+clipping, AdamW). titanlite.dryrun.steptrace watches it: peak memory by category, collectives,
+FLOPs. titanlite.dryrun.hardware turns that into a predicted step time for a named GPU.
 
 Blocks are identical, so the step is traced with a few blocks (per pipeline stage) and replayed
 as the model's depth would run it, one block (or activation-checkpointing period, for `selective`
-layer AC) repeated (titanlite.blocktrace); a pipeline stage runs three micro-batches and counts
-the others as copies (titanlite.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
+layer AC) repeated (titanlite.dryrun.blocktrace); a pipeline stage runs three micro-batches and counts
+the others as copies (titanlite.dryrun.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -34,19 +34,21 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from titanlite import config_load, hardware
-from titanlite.blocktrace import BlockWatch, traced_depth
-from titanlite.config import JobConfig
+from titanlite.config import load as config_load
+
+from titanlite.dryrun import hardware
+from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
+from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
-from titanlite.hardware import GIB
-from titanlite.moe import GroupedExperts, grouped_mm_supported, moe_layers
+from titanlite.dryrun.hardware import GIB
+from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
 from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.pptrace import skip_microbatches
-from titanlite.preflight import Plan, preflight
-from titanlite.steptrace import CATEGORIES, PHASES, StepTracer, Trace
+from titanlite.dryrun.pptrace import skip_microbatches
+from titanlite.config.preflight import Plan, preflight
+from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 # The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
 OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
@@ -138,7 +140,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
     """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
     trace one step, replayed as the model's full depth would run it: blocks 2 .. period + 1 of
     each stage (a whole AC period) repeated to that depth, in forward and backward, for each
-    traced micro-batch (three per stage unless `full`: titanlite.pptrace), with what those
+    traced micro-batch (three per stage unless `full`: titanlite.dryrun.pptrace), with what those
     blocks hold and gather outside their own spans."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
@@ -211,7 +213,7 @@ class Role:
     flops: float
     times: dict[str, hardware.StepTimes]
     traced_blocks: int
-    copied_calls: int  # pipeline calls counted as copies (titanlite.pptrace)
+    copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
 
     @property
     def peak_phase(self) -> str:
@@ -456,6 +458,3 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(2)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """MoE throughput on CPU: grouped GEMM against the loop over experts, and a MoE next to a dense
 model of the same activated size, each with MFU against the matmul rate of the same run.
 
-    OMP_NUM_THREADS=1 python scripts/bench_moe.py [--warmup 2] [--steps 5] [--repeat 2]
-    OMP_NUM_THREADS=1 python scripts/bench_moe.py --layer [--rounds 10]
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_moe [--warmup 2] [--steps 5] [--repeat 2]
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_moe --layer [--rounds 10]
 
 Runs `python -m titanlite.tools.bench` (the real trainer, one process) for: qwen3_moe
 debugmodel with moe.grouped_mm on and off; the ~107M-parameter bench100m (8 experts of width
@@ -49,7 +49,7 @@ def time_layers(rounds: int) -> None:
     import torch
 
     from titanlite.models.qwen3_moe import flavors
-    from titanlite.moe import MoE
+    from titanlite.layers.moe import MoE
 
     print("| shape | experts as | fwd+bwd ms (best) | GFLOP/s | % of matmul rate | matmul GFLOP/s |")
     print("|---|---|---:|---:|---:|---:|")

@@ -4,7 +4,7 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folde
   model, optimizer  the sharded DTensors of get_state_dict, so any layout can load them
   lr_scheduler      the LambdaLR counters
   dataloader        samples consumed so far and what defines the sample order; the order
-                    is global (titanlite.data), so this cursor means the same on any layout
+                    is global (titanlite.data.loader), so this cursor means the same on any layout
   train_state       step and tokens seen
   rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
 plus titanlite.json (model family and args, for titanlite.tools.convert). It is written as
@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import Checkpoint, Data
+from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.hf_io import check_hf_config, read_safetensors
+from titanlite.checkpoint.hf import check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
 from titanlite.optim import Optimizers
 

@@ -1,0 +1,2 @@
+"""The job's configuration: its sections (job), TOML and command-line loading (load), and every
+check that needs no process group (preflight)."""

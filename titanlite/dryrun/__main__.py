@@ -1,0 +1,3 @@
+from titanlite.dryrun.run import main
+
+main()
