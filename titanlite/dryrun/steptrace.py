@@ -83,10 +83,8 @@ def flop_formula(func):
     own = OWN_FLOPS.get(func)
     if own is not None:
         return lambda args, kwargs, out: own(func, args, out)
-    torch_formula = flop_registry.get(func._overloadpacket)
-    if torch_formula is not None:
-        return lambda args, kwargs, out: torch_formula(*args, **kwargs, out_val=out)
-    return None
+    theirs = flop_registry.get(func._overloadpacket)
+    return None if theirs is None else lambda args, kwargs, out: theirs(*args, **kwargs, out_val=out)
 
 
 def _fake_grouped_mm(a, b, *args, **kwargs):
