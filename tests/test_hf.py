@@ -156,3 +156,23 @@ def test_initial_load_refuses_a_different_architecture(tmp_path):
         check_hf_config(ADAPTER, tmp_path, dataclasses.replace(args, vocab_size=128))
     with pytest.raises(ConfigError, match="rope_scaling"):
         check_hf_config(ADAPTER, tmp_path, dataclasses.replace(args, rope_scaling_factor=4.0))
+
+
+def test_public_api_reads_builds_and_writes_a_transformers_folder(tmp_path):
+    """The README's script: titanlite.read_hf -> the family's adapter -> a model -> titanlite.write_hf,
+    which transformers loads with the same logits."""
+    import titanlite
+
+    assert {"llama3", "qwen3", "qwen3_moe"} <= set(titanlite.available_models())
+    spec = titanlite.get_model_spec("llama3")
+    hf_model("gqa_rope_scaling").save_pretrained(tmp_path / "in")
+    config, hf_state = titanlite.read_hf(tmp_path / "in")
+    args = spec.hf.args_from_hf(config)
+    model = titanlite_model(args, spec.hf.from_hf(hf_state, args))
+    titanlite.write_hf(tmp_path / "out", spec.hf.to_hf(model.state_dict(), args),
+                       spec.hf.config_to_hf(args, torch.float32))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ours, theirs = model(TOKENS), hf(TOKENS).logits
+    assert theirs.abs().max() > 1.0
+    assert (ours - theirs).abs().max().item() <= 1e-5

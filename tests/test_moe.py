@@ -58,7 +58,7 @@ def test_matches_the_definition(args):
 
 
 @pytest.mark.skipif(grouped_mm_supported(torch.device("cpu"), torch.float32, (32, DIM)) is not None,
-                    reason="torch._grouped_mm does not run here")
+                    reason="grouped_mm does not run here")
 def test_grouped_gemm_and_loop_agree_in_forward_and_backward():
     results = []
     for mode in ("on", "off"):

@@ -50,8 +50,11 @@ def test_top_k_larger_than_experts():
 
 def test_grouped_mm_forced_where_unsupported(monkeypatch):
     assert _preflight([*MOE, "--moe.grouped_mm", "on"], 1).args.moe.grouped_mm == "on"  # runs here
-    monkeypatch.delattr(torch, "_grouped_mm")
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("no grouped GEMM kernel for this device")
+    monkeypatch.setattr(moe.F, "grouped_mm", unsupported)
     monkeypatch.setattr(moe, "_PROBED", {})
-    with pytest.raises(ConfigError, match="moe.grouped_mm = on, but torch .* has no torch._grouped_mm; use auto"):
+    with pytest.raises(ConfigError, match="moe.grouped_mm = on, but grouped_mm does not run on cpu in torch.float32 "
+                                          r"\(no grouped GEMM kernel for this device\); use auto"):
         _preflight([*MOE, "--moe.grouped_mm", "on"], 1)
     assert _preflight([*MOE, "--moe.grouped_mm", "auto"], 1).args.moe.grouped_mm == "auto"  # falls back to the loop

@@ -269,7 +269,7 @@ class MoE:
     """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every router's
     selection bias moves by this much towards the mean load; 0 = off."""
     grouped_mm: str = "auto"
-    """Experts as one grouped GEMM (torch._grouped_mm): auto (where supported, else a loop
+    """Experts as one grouped GEMM (torch.nn.functional.grouped_mm): auto (where supported, else a loop
     over experts), on (grouped GEMM or an error), off (the loop)."""
 
 

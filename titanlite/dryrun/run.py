@@ -240,10 +240,9 @@ def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
 def trace_role(cfg: JobConfig, plan: Plan, world_size: int, k: int, period: int, device: str, full: bool,
                rank: int) -> Role:
     """Trace rank `rank`'s step at depth `k`, replayed to the real one."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # the fake backend exchanges nothing through its store: any in-process store serves
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         meshes = plan.dims.build_meshes("cpu")
         return role_of(trace_step(cfg, plan, meshes, k, fake, period, device, full), k, stage_depth(plan), period,

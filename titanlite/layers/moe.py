@@ -3,7 +3,7 @@
 Token-choice top-k routing, dropless: every token reaches its k experts, there is no capacity
 factor. Experts are SwiGLU MLPs stored as stacked weights `[num_experts, ...]` (the layout
 checkpoints keep whatever the expert-parallel degree), computed with one grouped GEMM
-(`torch._grouped_mm`) where this torch and device support it, else a loop over experts.
+(`torch.nn.functional.grouped_mm`) where this device supports it, else a loop over experts.
 
 Load balancing, two kinds:
 - auxiliary-loss-free (DeepSeek-V3): a per-expert bias added to the scores for *selection only*
@@ -59,11 +59,9 @@ class MoEArgs:
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...],
                          probe: bool = True) -> str | None:
-    """None if torch._grouped_mm runs for these expert widths here, else why not. `probe=False`
+    """None if F.grouped_mm runs for these expert widths here, else why not. `probe=False`
     checks only what needs no device, which is all CUDA needs: it runs every dtype (bf16 with
     CUTLASS on sm90 and later, others with a per-group fallback)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
     size = torch.empty((), dtype=dtype).element_size()
     if any(d * size % 16 for d in dims):
         return f"expert widths {dims} in {dtype} are not multiples of 16 bytes (grouped GEMM strides)"
@@ -77,10 +75,10 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[i
             x = torch.zeros(4, 8, device=device, dtype=dtype)
             w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
             try:
-                torch._grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
+                F.grouped_mm(x, w, offs=torch.tensor([2, 4], device=device, dtype=torch.int32))
                 _PROBED[key] = None
             except (RuntimeError, NotImplementedError) as e:
-                _PROBED[key] = f"torch._grouped_mm does not run on {device.type} in {dtype} ({str(e).splitlines()[0]})"
+                _PROBED[key] = f"grouped_mm does not run on {device.type} in {dtype} ({str(e).splitlines()[0]})"
     return _PROBED[key]
 
 
@@ -118,7 +116,7 @@ class GroupedExperts(nn.Module):
             x.device, x.dtype, tuple(self.w1.shape[1:]))
         if reason is not None and self.mode == "on":
             raise RuntimeError(f"grouped_mm = on, but {reason}")
-        path = "grouped GEMM (torch._grouped_mm)" if reason is None else f"a loop over experts: {reason}"
+        path = "grouped GEMM (F.grouped_mm)" if reason is None else f"a loop over experts: {reason}"
         if path not in _LOGGED:
             _LOGGED.add(path)
             log.info(f"MoE experts run as {path}")
@@ -132,9 +130,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         if self.use_grouped_mm:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
         outs = [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
                 for e, xe in enumerate(torch.split(x, sizes))]

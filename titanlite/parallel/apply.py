@@ -7,14 +7,15 @@ cp group from its AttnContext); a pipeline stage is cut before this runs on it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                     noop_context_fn)
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
@@ -61,13 +62,42 @@ _SAVE_OPS = {
 # FSDP modules nested inside a checkpointed block (expert-parallel experts have their own)
 # annotate their hooks with profiler ranges a different number of times in forward and in
 # recomputation, which per-op AC replays by count and refuses. The ranges compute nothing:
-# let per-op AC pass them through, as PyTorch does for detach (a known PyTorch issue).
-torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
-                                          torch.ops.profiler._record_function_exit._RecordFunction}
+# per-op AC passes them through, as PyTorch does for detach (a known PyTorch issue), while
+# it runs and only then.
+_PROFILER_RANGES = {torch.ops.profiler._record_function_enter_new.default,
+                    torch.ops.profiler._record_function_exit._RecordFunction}
+
+
+@contextlib.contextmanager
+def _ignoring_profiler_ranges(ctx: contextlib.AbstractContextManager):
+    added = _PROFILER_RANGES - torch.utils.checkpoint.SAC_IGNORED_OPS
+    torch.utils.checkpoint.SAC_IGNORED_OPS |= added
+    try:
+        with ctx:
+            yield
+    finally:
+        torch.utils.checkpoint.SAC_IGNORED_OPS -= added
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple:
+    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls_policy)
+    return _ignoring_profiler_ranges(forward), _ignoring_profiler_ranges(recompute)
+
+
+def _checkpoint(block: nn.Module, context_fn: Callable[[], tuple] = noop_context_fn) -> None:
+    """Run `block`'s forward under torch.utils.checkpoint. The block's own forward is replaced
+    rather than the block wrapped, so parameter names (and checkpoints) stay those of the
+    single-device model, and FSDP's and compile's hooks stay on the block itself."""
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn,
+                          **kwargs)
+    block.forward = checkpointed
 
 
 def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
@@ -75,13 +105,11 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
     if cfg.mode == "none":
         return
-    for i, name in enumerate(list(blocks.keys())):
+    for i, block in enumerate(blocks.values()):
         if cfg.mode == "selective" and cfg.selective_type == "op":
-            blocks[name] = checkpoint_wrapper(
-                blocks[name], preserve_rng_state=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls_policy))
+            _checkpoint(block, _selective_contexts)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
-            blocks[name] = checkpoint_wrapper(blocks[name], preserve_rng_state=False)
+            _checkpoint(block)
 
 
 def apply_compile(blocks: nn.ModuleDict) -> None:
@@ -95,8 +123,7 @@ def apply_compile(blocks: nn.ModuleDict) -> None:
         if not moe_layers([block]):
             block.compile(fullgraph=True)
             continue
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        for child in inner.children():
+        for child in block.children():
             if not moe_layers([child]) and not type(child).__module__.startswith("torch."):
                 child.compile(fullgraph=True)
 

@@ -221,10 +221,6 @@ class PipelineStep:
     """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss), on the last stage's losses."""
 
     def __post_init__(self) -> None:
-        if self.opts.compile.enable and self.schedule_name in SPLIT_BACKWARD:
-            # their weight-gradient pass reuses the graph the input-gradient pass kept, which a
-            # compiled backward refuses while it donates its buffers
-            torch._functorch.config.donated_buffer = False
         ids = self.plan.stages_of(self.meshes.pp.get_local_rank(), self.meshes.dims.pp)
         self.is_first, self.is_last = 0 in ids, self.plan.n_stages - 1 in ids
         self.stages = [self._stage(part, s) for part, s in zip(self.parts, ids)]
@@ -306,12 +302,20 @@ class PipelineStep:
         with extra_losses(self._n_targets) as extra:
             for batch in batches:
                 args, kwargs = self._inputs(batch)
-                with loss_context(self.opts.loss_parallel), self.autocast:
+                with loss_context(self.opts.loss_parallel), self.autocast, self._compile_options():
                     self.schedule.step(*args, target=batch["labels"] if self.is_last else None,
                                        return_outputs=False, **kwargs)
         self._sum_tied_grads()
         zero = torch.zeros((), device=self._n_targets.device)
         return StepOutput(torch.stack(self._sums).sum() if self._sums else zero, self._n_targets, extra)
+
+    def _compile_options(self) -> contextlib.AbstractContextManager:
+        """Split-backward schedules' weight-gradient pass reuses the graph their input-gradient
+        pass kept, which a compiled backward refuses while it donates its buffers: blocks
+        compile (on the first step) with donation off, set for the step alone."""
+        if self.opts.compile.enable and self.schedule_name in SPLIT_BACKWARD:
+            return torch._functorch.config.patch(donated_buffer=False)
+        return contextlib.nullcontext()
 
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         args, kwargs = self._inputs(batch)
