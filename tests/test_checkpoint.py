@@ -157,7 +157,7 @@ def test_shape_mismatch_is_one_clear_error(straight1, tmp_path):
     assert run.returncode != 0
     assert "titanlite: error:" in run.output and "'tok_embeddings.weight' has shape (512, 256)" in run.output
     assert "model's is (1024, 256)" in run.output
-    assert "titanlite/checkpoint.py" not in run.output  # one line, no traceback from our code
+    assert "titanlite/checkpoint/dcp.py" not in run.output  # one line, no traceback from our code
 
 
 def test_checkpoint_problems_are_found_before_launch(straight1, tmp_path):
