@@ -46,3 +46,20 @@ def test_pp_checkpoint_resumes_exactly_and_loads_on_other_layouts(tmp_path):
     assert json.loads((hf / "config.json").read_text())["num_hidden_layers"] == 4
     model = load_tensors(straight / "checkpoint" / "step-20", "model.")
     assert len(model) == 2 + 9 * 4 + 1 and all(torch.isfinite(v).all() for v in model.values())
+
+
+def test_tied_embedding_checkpoint_changes_layout_with_its_optimizer_state(tmp_path):
+    """A tied flavor: 1 process -> pp 2 -> 1 process. The shared weight's optimizer state is
+    saved under its one-process name from every layout, so each resume loads it; the resumed
+    losses equal a straight run's."""
+    tied = [*job(20, "--model.flavor", "debugmodel_tied"), "--checkpoint.interval", "5"]
+    straight = tmp_path / "straight"
+    train(1, tied, dump=straight)
+    pp, one = tmp_path / "pp", tmp_path / "one"
+    shutil.copytree(straight / "checkpoint" / "step-5", pp / "checkpoint" / "step-5")
+    staged = train(2, [*tied, "--training.steps", "15", *PP2_DP2[:4]], dump=pp)
+    shutil.copytree(pp / "checkpoint" / "step-15", one / "checkpoint" / "step-15")
+    last = train(1, tied, dump=one)
+    assert [r["step"] for r in staged.metrics] == list(range(6, 16))
+    assert [r["step"] for r in last.metrics] == list(range(16, 21))
+    assert_parity(train_losses(straight)[5:], staged.losses + last.losses)

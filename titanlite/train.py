@@ -125,7 +125,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
                              global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
-                             final_step=t.steps)
+                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None

@@ -72,18 +72,37 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _Optimizer:
-    def __init__(self, optimizers: Optimizers) -> None:
+    """A shared (tied) weight's state is saved once, under the first of its names, as one process
+    keys it: a pipeline stage that holds the weight under another name (the output layer's copy
+    of a tied embedding) reads and writes it under that first name, so the state loads on every
+    layout."""
+
+    def __init__(self, optimizers: Optimizers, tied: tuple[tuple[str, ...], ...]) -> None:
         self.optimizers = optimizers
+        self.first = {name: names[0] for names in tied for name in names[1:]}
+
+    def _renames(self, part: nn.Module) -> dict[str, str]:
+        """This part's key prefixes for the names it holds a shared weight under -> the saved ones."""
+        mine = dict(part.named_parameters())
+        return {f"{section}.{name}.": f"{section}.{first}." for name, first in self.first.items()
+                if name in mine and first not in mine for section in ("state", "param_groups")}
 
     def state_dict(self) -> dict[str, Any]:
-        o = self.optimizers
-        return {k: v for part, opt in zip(o.parts, o.optimizers)
-                for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items()}
+        o, out = self.optimizers, {}
+        for part, opt in zip(o.parts, o.optimizers):
+            renames = self._renames(part)
+            for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items():
+                prefix = next((p for p in renames if k.startswith(p)), None)
+                out[k if prefix is None else renames[prefix] + k[len(prefix):]] = v
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         o = self.optimizers
         for part, opt in zip(o.parts, o.optimizers):
-            set_optimizer_state_dict(part, opt, sd, options=_FLAT)
+            renames = self._renames(part)
+            view = {**sd, **{mine + k[len(saved):]: v for mine, saved in renames.items()
+                             for k, v in sd.items() if k.startswith(saved)}}
+            set_optimizer_state_dict(part, opt, view, options=_FLAT)
 
 
 class _Scheduler:
@@ -290,13 +309,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, parts: list[nn.Module], optimizers: Optimizers,
                  loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
-                 args: Any, final_step: int) -> None:
+                 args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = ()) -> None:
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = _Data(loader, data, seq_len, global_batch_size)
         self.tokens_per_step = global_batch_size * seq_len
-        self.states = {"model": _Model(parts), "optimizer": _Optimizer(optimizers),
+        self.states = {"model": _Model(parts), "optimizer": _Optimizer(optimizers, tied),
                        "lr_scheduler": _Scheduler(optimizers.schedulers), "dataloader": self.data,
                        "train_state": self.train_state, "rng": _Rng(torch.cuda.is_available())}
         self.rank = dist.get_rank()
