@@ -134,6 +134,26 @@ def test_runtime_error_on_a_rank_not_shown_is_reported_with_its_code(tmp_path):
     assert not any("Traceback" in line or "FAILED" in line for line in lines), lines
 
 
+def test_a_rank_that_raises_a_bug_reports_its_own_line(tmp_path, monkeypatch):
+    """An unexpected exception on a rank (no titanlite error) leaves that rank's line, its type and
+    message, before its traceback: the launcher ends the run with it, not with a peer's
+    consequence or the SIGTERM torchrun then sends."""
+    from titanlite import train as trainer
+
+    def bug(cfg, plan):
+        raise KeyError("optimizer.state.output.weight.step")
+    monkeypatch.setenv("TITANLITE_REPORT_DIR", str(tmp_path))
+    monkeypatch.setattr(trainer, "train", bug)
+    with pytest.raises(KeyError):
+        trainer.main([*TINY, "--job.dump_folder", str(tmp_path / "dump")])
+    report = json.loads((tmp_path / "rank-0.json").read_text())
+    line = "titanlite: error: KeyError: 'optimizer.state.output.weight.step' (unexpected; the traceback is in rank 0's"
+    assert report["code"] == 1 and report["line"].startswith(line), report
+    # rank 1 ended by torchrun's SIGTERM afterwards: rank 0's line is the run's
+    code, last = _verdict({0: report}, {"failures": {"0": 1, "1": -signal.SIGTERM}}, [], 2, LOG)
+    assert code == 1 and last.startswith(line), last
+
+
 # -- smoke runs of the shipped configs ---------------------------------------------------
 
 # a short sequence and one sample keep the 100M model's run short on CI's two cores; qwen3_0.6b does

@@ -258,10 +258,14 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:
         fault.defer_to_watchdog()
         err = e if isinstance(e, RunError) else fault.as_run_error(e)
-        if err is None:
-            raise
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
-        last_word(rank, 1, f"titanlite: error: {err}" + (f" [rank {rank}]" if rank else ""))
+        where = f" [rank {rank}]" if rank else ""
+        if err is None:  # a bug: its line is the run's (before a peer's consequence), its traceback stays
+            first = (str(e).strip().splitlines() or [""])[0]
+            last_word(rank, 1, f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
+                               f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
+            raise
+        last_word(rank, 1, f"titanlite: error: {err}{where}")
         # no process-group teardown: with a peer dead or diverged it can hang or abort
         os._exit(1)
     finally:
