@@ -210,6 +210,19 @@ def test_bad_input_is_one_line(argv, expect, capsys):
     assert err[0].startswith("titanlite: error: ") and expect in err[0], err
 
 
+def test_the_dry_run_plans_a_job_larger_than_its_data(capsys):
+    """A dry run reads no data, so it plans a global batch the embedded data cannot fill (as the
+    Llama 3 paper's 2,048 x 8,192 on 8,192 GPUs); the launch preflight still refuses to train it."""
+    big = ["--config", "debug_model.toml", "--ngpu", "2048", "--training.seq_len", "8192",
+           "--training.local_batch_size", "1", "--training.global_batch_size", "2048"]
+    main(big)
+    assert "predicted on h100" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--check-memory", "1", *big])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "need at least global_batch_size 2048" in err[0], err
+
+
 def test_a_preflight_that_crashes_says_so_in_one_line(monkeypatch, capsys):
     """An internal error (a titanlite bug, a torch it does not know) ends the preflight with one
     line naming the exception, the torch version and how to launch without it, and exit 1; the

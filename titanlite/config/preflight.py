@@ -42,8 +42,9 @@ class Plan:
     """The pipeline stages (None without pipelining)."""
 
 
-def preflight(cfg: JobConfig, world_size: int) -> Plan:
-    """All checks that need no process group, so bad input fails fast on every rank."""
+def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
+    """All checks that need no process group, so bad input fails fast on every rank. `data=False`
+    (the dry run, which reads no data) leaves the data sources and their size unchecked."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
@@ -65,7 +66,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
                           "launch it without torchrun or with --nproc_per_node=1")
-    probe_data(cfg.data, cfg.validation)
+    if data:
+        probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -78,7 +80,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
-    preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
+    if data:
+        preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         model = spec.build(args)
     check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)

@@ -255,7 +255,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             device: str = "cuda") -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
     cfg = dry_config(cfg, device)
-    plan = preflight(cfg, world_size)
+    plan = preflight(cfg, world_size, data=False)  # a dry run reads no data: it plans any size of job
     dims, ac = plan.dims, cfg.activation_checkpoint
     for r in ranks or []:
         if not 0 <= r < world_size:
