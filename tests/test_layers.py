@@ -1,4 +1,7 @@
-"""The shared building blocks in titanlite/layers: YaRN RoPE against transformers."""
+"""The shared building blocks in titanlite/layers: YaRN RoPE against transformers, and a model's
+buffers, computed at construction and again on the trainer's meta -> to_empty path."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -6,7 +9,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from titanlite.layers import init
 from titanlite.layers.rope import YaRN, tables, yarn_frequencies
+from titanlite.model_spec import get_model_spec
 
 # (theta, head_dim, rope_parameters): defaults, DeepSeek-V3's (mscale = mscale_all_dim), unequal
 # mscales, gpt-oss's (no truncation), an explicit attention factor, a ramp of zero width
@@ -57,3 +62,27 @@ def test_yarn_tables_equal_transformers_cos_sin(name):
     # transformers repeats the frequencies for the rotate-half layout: the first half is ours
     assert torch.equal(got_cos, cos[0, :, : head_dim // 2])
     assert torch.equal(got_sin, sin[0, :, : head_dim // 2])
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+def test_buffers_are_computed_at_construction_and_after_to_empty(family):
+    """spec.build on a real device gives the RoPE tables (and zero MoE state) at once; built on
+    meta, init.materialize computes the same buffers after to_empty, bit for bit."""
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=64)
+    built = spec.build(args)
+    assert torch.equal(built.rope_cos[0], torch.ones_like(built.rope_cos[0]))  # cos of position 0
+    assert built.rope_sin[1:].abs().min() > 0
+    expected = {name: buf.clone() for name, buf in built.named_buffers()}
+    with torch.device("meta"):
+        meta = spec.build(args)
+    init.materialize(meta, torch.device("cpu"), 0)
+    built.init_weights(0)
+    assert dict(meta.named_buffers()).keys() == expected.keys()
+    assert all(torch.equal(buf, expected[name]) for name, buf in meta.named_buffers())
+    assert all(torch.equal(p, meta.get_parameter(name)) for name, p in built.named_parameters())
+    # whatever the buffers hold (to_empty leaves garbage), init_buffers gives them their values
+    for buf in built.buffers():
+        buf.fill_(float("nan"))
+    built.init_buffers()
+    assert all(torch.equal(buf, expected[name]) for name, buf in built.named_buffers())

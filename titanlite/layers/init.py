@@ -57,13 +57,9 @@ def ones_(param: torch.Tensor) -> None:
     param.fill_(1.0)
 
 
-@torch.no_grad()
-def zeros_(param: torch.Tensor) -> None:
-    param.zero_()
-
-
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate a meta-built (and parallelized) model on `device` and initialise it with
+    """Allocate a meta-built (and parallelized) model on `device`, then give it values:
+    `model.init_buffers()` (what construction computes, e.g. RoPE tables), then
     `model.init_weights(seed)`. Shared (tied) parameters stay shared: `to_empty` replaces
     plain parameters one by one, which would untie them."""
     groups: dict[int, list[str]] = {}
@@ -74,4 +70,5 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         for name in rest:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    model.init_buffers()
     model.init_weights(seed)
