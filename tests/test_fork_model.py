@@ -39,7 +39,8 @@ def test_copy_edit_and_train_a_forked_model(tmp_path):
     # 1. copy  2. name  3. change one detail (the documented SiLU -> GELU)
     shutil.copytree(repo / "models" / "llama3", repo / "models" / "my_llama", ignore=ignore)
     _edit(repo / "models" / "my_llama" / "__init__.py", 'name="llama3"', 'name="my_llama"')
-    _edit(repo / "models" / "my_llama" / "model.py", "F.silu(self.w1(x))", "F.gelu(self.w1(x))")
+    _edit(repo / "models" / "my_llama" / "model.py", "FeedForward(args.dim, args.ffn_hidden, F.silu)",
+          "FeedForward(args.dim, args.ffn_hidden, F.gelu)")
 
     # 4. train from the command line
     fork = _run_train(repo, tmp_path / "fork", ["--model.name", "my_llama", "--training.steps", "30",

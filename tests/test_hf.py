@@ -44,7 +44,7 @@ def hf_model(name: str) -> LlamaForCausalLM:
 
 def titanlite_model(args: ModelArgs, state_dict: dict[str, torch.Tensor] | None = None) -> Transformer:
     model = Transformer(args)
-    model.init_weights(0)  # also fills the RoPE tables
+    model.init_weights(0)  # the weights when no state dict is given
     if state_dict is not None:
         model.load_state_dict(state_dict, strict=True)
     return model.eval()

@@ -100,6 +100,18 @@ def test_import_matches_transformers_logits(tmp_path):
     assert all(torch.equal(fused[k], v) for k, v in ours.state_dict().items())
 
 
+def test_a_model_built_on_cpu_runs_on_imported_weights_without_init_weights():
+    """spec.build computes the RoPE tables and zeroes the router state: loading the weights is
+    all a model built on a real device needs (init_weights only draws parameters)."""
+    args, theirs = _tiny()
+    ours = SPEC.build(args)
+    ours.load_state_dict(SPEC.hf.from_hf(theirs.state_dict(), args), strict=True)
+    with torch.no_grad():
+        expected, got = theirs(TOKENS).logits, ours.eval()(TOKENS)
+    assert expected.abs().max() > 1.0
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
 def test_export_through_the_converter_loads_in_transformers(tmp_path):
     """titanlite checkpoint -> convert dcp hf -> from_pretrained gives our logits; and back."""
     args, _ = _tiny()

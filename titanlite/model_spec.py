@@ -29,7 +29,9 @@ class ModelSpec:
     """Flavor name -> the family's ModelArgs dataclass; its `n_layers` field is the number of
     blocks (pipeline shapes and the dry run build shallower copies through it)."""
     build: Callable[[Any], nn.Module]
-    """ModelArgs -> single-device model, built on whatever device is current (meta). Its
+    """ModelArgs -> single-device model, built on whatever device is current, its buffers (RoPE
+    tables) computed. The trainer builds on meta; titanlite.layers.init.materialize then calls the
+    model's `init_buffers()` and `init_weights(seed)` (parameters only) after `to_empty`. Its
     forward(tokens, ctx) returns logits; it must also run when the `pre` modules are
     nn.Identity (it then receives hidden states) and when the `post` ones are (it then
     returns hidden states): that is how pipeline stages are cut."""

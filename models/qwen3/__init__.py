@@ -1,5 +1,6 @@
 """Qwen3 dense family: flavors with the published shapes, and the spec the framework loads."""
 
+from titanlite.layers.decoder import dense_flops_per_token
 from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
@@ -21,13 +22,5 @@ flavors = {
 }
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6 x non-embedding params (matmuls, forward + backward) + causal attention scores."""
-    per_layer = (2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.n_kv_heads * args.head_dim
-                 + 3 * args.dim * args.ffn_hidden)
-    dense = args.n_layers * per_layer + args.dim * args.vocab_size
-    return 6 * dense + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-
-
 SPEC = ModelSpec(name="qwen3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
-                 flops_per_token=flops_per_token, check_layout=check_layout, hf=ADAPTER)
+                 flops_per_token=dense_flops_per_token, check_layout=check_layout, hf=ADAPTER)

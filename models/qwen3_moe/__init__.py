@@ -1,7 +1,8 @@
 """Qwen3-MoE family: flavors with the published shapes, and the spec the framework loads."""
 
-from titanlite.model_spec import ModelSpec
+from titanlite.layers import decoder
 from titanlite.layers.moe import AUX_LOSS, MoEArgs, post_step_hooks
+from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
@@ -29,7 +30,7 @@ flavors = {
 
 def activated_params(args: ModelArgs) -> int:
     """Parameters one token passes through, embeddings excluded (the output projection counts)."""
-    attn = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.n_kv_heads * args.head_dim
+    attn = decoder.attention_params(args)
     moe = args.dim * args.moe.num_experts + 3 * args.dim * (args.moe.top_k * args.moe.hidden + args.moe.shared_hidden)
     dense = 3 * args.dim * args.ffn_hidden
     n_dense = len(args.dense_layers)
@@ -37,8 +38,8 @@ def activated_params(args: ModelArgs) -> int:
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6 x activated non-embedding params (matmuls, forward + backward) + causal attention scores."""
-    return 6 * activated_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    """Training FLOPs per token of the activated parameters only."""
+    return decoder.flops_per_token(args, seq_len, activated_params(args))
 
 
 SPEC = ModelSpec(name="qwen3_moe", flavors=flavors, build=Transformer, tp_plan=tp_plan,

@@ -4,15 +4,11 @@ every family; MoE layers need nothing from the family beyond these checks and th
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.tensor import Placement
 
 from titanlite.errors import ConfigError
-from titanlite.models.qwen3.parallelize import tp_plan as _qwen3_tp_plan
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.parallel.tensor import TokenParallel, TPPlan
+from titanlite.parallel.tensor import TPPlan, decoder_plan
 
 from .model import ModelArgs
 
@@ -32,17 +28,7 @@ def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
 
 
 def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
-    """Attention and dense feed-forwards as in Qwen3. A MoE layer is not split over tp: each
-    tp rank routes its own sequence shard (the layer's input and output stay Shard(1); without
-    sequence parallel the layer takes its shard of the whole sequence and gathers the result),
-    dispatching it over the expert-parallel group, which spans whole tp groups. The router (and
-    a shared expert) run whole on each rank's tokens, their gradients summed over tp."""
-    plan = _qwen3_tp_plan(between, loss_parallel)
-    moe = {
-        "moe": PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Shard(1),),
-                                        use_local_input=True, output_layouts=(Shard(1),),
-                                        desired_output_layouts=(between,), use_local_output=True),
-        "moe.router.gate": TokenParallel(),
-        "moe.shared": TokenParallel(),
-    }
-    return replace(plan, block=plan.block | moe)
+    """Qwen3's plan (QK-norm included) for attention and dense feed-forwards; MoE layers are not
+    split over tp: each tp rank routes its own sequence shard over the expert-parallel group
+    (see titanlite.parallel.tensor.decoder_plan)."""
+    return decoder_plan(between, loss_parallel, qk_norm=True, moe=True)

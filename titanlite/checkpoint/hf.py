@@ -1,7 +1,9 @@
 """Hugging Face folders: config.json plus (sharded) safetensors, read and written without transformers.
 
-A model family describes its own mapping with an `HFAdapter` (see models/llama3/hf.py);
-this file only moves full tensors between memory and disk.
+A model family describes its own mapping with an `HFAdapter` (see models/llama3/hf.py), from
+the pieces here that transformers' Llama-like decoders share: their parameter names, the
+config.json keys they all write and read, and the renaming loops. This file also moves full
+tensors between memory and disk.
 """
 
 from __future__ import annotations
@@ -32,6 +34,114 @@ class HFAdapter:
     """(ModelArgs, dtype) -> config.json contents."""
     args_from_hf: Callable[[dict[str, Any]], Any]
     """config.json contents -> ModelArgs; raises ConfigError for what the family cannot express."""
+
+
+TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+"""titanlite -> transformers names outside the blocks."""
+DECODER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight"}
+"""titanlite -> transformers names inside block i (model.layers.<i>.), for a Block of
+titanlite.layers.decoder with a dense feed-forward."""
+QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def rename_to_hf(state_dict: dict[str, torch.Tensor], layer: dict[str, str], tied: bool,
+                 other: Callable[[str, str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Full (unsharded) titanlite state dict -> transformers names: `TOP`, and `layer` inside each
+    block. A block entry `layer` does not name goes to `other(i, name, tensor)`, which returns its
+    transformers entries. A tied output is left out: transformers re-ties lm_head to the embedding."""
+    out = {}
+    for key, w in state_dict.items():
+        if key == "output.weight" and tied:
+            continue
+        if key in TOP:
+            out[TOP[key]] = w
+            continue
+        _, i, rest = key.split(".", 2)
+        if other is not None and rest not in layer:
+            out |= other(i, rest, w)
+        else:
+            out[f"model.layers.{i}.{layer[rest]}"] = w
+    return out
+
+
+def rename_from_hf(state_dict: dict[str, torch.Tensor], layer: dict[str, str], tied: bool, family: str,
+                   other: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """transformers state dict -> titanlite names, the inverse of `rename_to_hf`: `other(key,
+    tensor)` returns the titanlite entries of a key it takes (else None); any other key is a
+    ConfigError naming `family`. With `tied`, lm_head is dropped and output.weight is the embedding."""
+    top = {v: k for k, v in TOP.items()}
+    back = {v: k for k, v in layer.items()}
+    out = {}
+    for key, w in state_dict.items():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer older transformers saved; recomputed from the config
+        if key in top:
+            if not (key == "lm_head.weight" and tied):
+                out[top[key]] = w
+            continue
+        if other is not None and (taken := other(key, w)) is not None:
+            out |= taken
+            continue
+        parts = key.split(".", 3)
+        if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in back:
+            raise ConfigError(f"Hugging Face weight '{key}' has no {family} counterpart in titanlite")
+        out[f"layers.{parts[2]}.{back[parts[3]]}"] = w
+    if tied and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def decoder_config(args: Any, dtype: torch.dtype, architecture: str, model_type: str,
+                   rope_scaling: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """config.json contents of a Llama-like decoder, keys that transformers 4.x and 5.x both
+    read (rope_theta and rope_scaling apart), then the family's `extra` keys."""
+    return {"architectures": [architecture], "model_type": model_type, "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+            "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta, "rope_scaling": rope_scaling, "max_position_embeddings": args.max_seq_len,
+            "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+            **extra, "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def read_decoder_config(cfg: dict[str, Any], model_type: str, family: str, rope_types: tuple[str, ...],
+                        biases: tuple[str, ...] = ("attention_bias",)) -> dict[str, Any]:
+    """Refuse a config.json of another model_type, with biases or an activation other than SiLU,
+    or a RoPE type not in `rope_types`; return its RoPE parameters, rope_type and rope_theta set."""
+    if cfg.get("model_type") != model_type:
+        raise ConfigError(f"config.json model_type is '{cfg.get('model_type')}', not '{model_type}'")
+    for key in biases:
+        if cfg.get(key):
+            raise ConfigError(f"config.json sets {key}; titanlite's {family} has no biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json hidden_act is '{cfg['hidden_act']}'; only silu is supported")
+    # transformers 5 nests rope_theta in rope_parameters; 4.x keeps rope_theta and rope_scaling apart
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    rope["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope["rope_type"] not in rope_types:
+        supported = " or ".join(rope_types) + (" only" if len(rope_types) == 1 else "")
+        raise ConfigError(f"config.json rope type '{rope['rope_type']}' is not supported ({supported})")
+    return rope
+
+
+def decoder_args(cfg: dict[str, Any], rope: dict[str, Any], max_seq_len: int) -> dict[str, Any]:
+    """The ModelArgs fields every Llama-like family reads the same way from config.json
+    (`max_seq_len`: the default when it has no max_position_embeddings)."""
+    n_heads = cfg["num_attention_heads"]
+    return dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
+                n_kv_heads=cfg.get("num_key_value_heads") or n_heads, vocab_size=cfg["vocab_size"],
+                norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
+                max_seq_len=cfg.get("max_position_embeddings", max_seq_len),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

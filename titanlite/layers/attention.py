@@ -1,15 +1,17 @@
-"""The one attention entry point that model code calls.
+"""The one attention entry point that model code calls, and the attention layer built on it.
 
 Models never know about context parallelism or document masking: they pass an
-`AttnContext` through, and this function picks the right kernel.
+`AttnContext` through, and `sdpa` picks the right kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.parallel.context import chunks_of, gather_sequence
@@ -100,3 +102,37 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [B, S, H, D], cos, sin) -> x rotated: titanlite.layers.rope.rotate_pairs or rotate_halves."""
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE: n_heads query heads share n_kv_heads key/value heads.
+    With `qk_norm_eps`, each query and key head is RMS-normalised before RoPE (Qwen3's QK-norm:
+    one weight of head_dim elements, shared by all heads)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rotate: Rotation,
+                 qk_norm_eps: float | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotate = rotate
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of heads
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

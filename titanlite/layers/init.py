@@ -1,7 +1,8 @@
 """Weight initialisation that gives the same weights on every parallel layout.
 
-A parameter's value depends only on (seed, its canonical name, its full shape): each one is
-drawn whole from a generator seeded by the seed and the name, then this rank keeps its shard.
+A parameter's value depends only on (seed, its name in the single-device model, its full
+shape): each one is drawn whole from a generator seeded by the seed and the name, then this
+rank keeps its shard.
 So a sharded parameter holds exactly the slice a single process would draw, and a pipeline
 stage or expert shard that holds only some parameters draws the same values as the whole
 model. Only one full parameter exists at a time, on the init device.
@@ -14,16 +15,6 @@ import hashlib
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical(fqn: str) -> str:
-    """The parameter's name in the plain single-device model (wrappers removed)."""
-    for wrapper in _WRAPPERS:
-        fqn = fqn.replace(wrapper, "")
-    return fqn
-
 
 def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
@@ -44,7 +35,7 @@ def normal_(param: torch.Tensor, name: str, seed: int, std: float, cutoff: float
     """N(0, std^2), truncated at +-cutoff*std when cutoff is given, drawn for `name`."""
     device = param.to_local().device if isinstance(param, DTensor) else param.device
     full = torch.empty(param.shape, dtype=torch.float32, device=device)
-    gen = _generator(seed, canonical(name), device)
+    gen = _generator(seed, name, device)
     if cutoff is None:
         torch.nn.init.normal_(full, std=std, generator=gen)
     else:
@@ -57,13 +48,9 @@ def ones_(param: torch.Tensor) -> None:
     param.fill_(1.0)
 
 
-@torch.no_grad()
-def zeros_(param: torch.Tensor) -> None:
-    param.zero_()
-
-
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate a meta-built (and parallelized) model on `device` and initialise it with
+    """Allocate a meta-built (and parallelized) model on `device`, then give it values:
+    `model.init_buffers()` (what construction computes, e.g. RoPE tables), then
     `model.init_weights(seed)`. Shared (tied) parameters stay shared: `to_empty` replaces
     plain parameters one by one, which would untie them."""
     groups: dict[int, list[str]] = {}
@@ -74,4 +61,5 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         for name in rest:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+    model.init_buffers()
     model.init_weights(seed)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from titanlite.layers.feed_forward import FeedForward
 from titanlite.loss import add_extra_loss
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ AUX_LOSS = "moe_aux_loss"
 
 @dataclass(frozen=True)
 class MoEArgs:
+    """One MoE layer's experts and routing. A family's ModelArgs holds it as `moe`, where the
+    [moe] config keys (titanlite.model_spec.model_args) update the balancing and GEMM fields."""
+
     num_experts: int = 8
     top_k: int = 2
     hidden: int = 768
@@ -162,19 +166,6 @@ class Router(nn.Module):
         return weights, expert_ids, scores
 
 
-class FeedForward(nn.Module):
-    """The shared expert: a plain SwiGLU MLP."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 def local_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """No expert parallelism: every expert is here, x is already grouped by expert."""
     return experts(x, counts)
@@ -190,7 +181,7 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm)
-        self.shared = FeedForward(dim, args.shared_hidden) if args.shared_hidden else None
+        self.shared = FeedForward(dim, args.shared_hidden, F.silu) if args.shared_hidden else None
         # tokens routed to each expert since the last optimizer step, for balancing and metrics;
         # not saved (the step's counts are consumed by the post-step hook)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
@@ -199,6 +190,12 @@ class MoE(nn.Module):
         self.stats_group: dist.ProcessGroup | None = None
         """The ranks routing different tokens of one micro-batch (data x context x tensor parallel),
         over which the auxiliary loss counts loads; None on one process."""
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero selection biases and loads, as built; `to_empty` leaves them uninitialised."""
+        self.router.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:  # shapes only (pipeline stage shapes): routing needs values, the shape is x's

@@ -15,7 +15,11 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from titanlite.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,69 @@ class TokenParallel(ParallelStyle):
                                  input_fn=lambda mod, inputs, mesh: tuple(
                                      DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs),
                                  output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def check_tp(tp: int, n_kv_heads: int, sizes: dict[str, int]) -> None:
+    """Refuse a tensor-parallel degree the shapes cannot serve, before any weight is allocated:
+    `sizes` names each width the plan splits (heads, FFN hidden units, vocabulary)."""
+    if tp > n_kv_heads:
+        # each rank needs at least one whole KV head; replicating KV heads is not implemented
+        raise ConfigError(f"parallelism.tensor_parallel_degree {tp} exceeds n_kv_heads {n_kv_heads}; "
+                          f"use a degree <= {n_kv_heads} that divides it")
+    for what, size in sizes.items():
+        if size % tp:
+            raise ConfigError(f"{what} {size} is not divisible by parallelism.tensor_parallel_degree "
+                              f"{tp}; pick a degree that divides it")
+
+
+def decoder_plan(between: Placement, loss_parallel: bool, qk_norm: bool = False, moe: bool = False) -> TPPlan:
+    """The plan of a titanlite.layers.decoder.Decoder: heads and FFN hidden units split over TP,
+    the residual stream `between` outside them, embedding and output sharded on the vocabulary.
+
+    `qk_norm`: the QK-norm weights (head_dim elements, shared by all heads) are not split: each
+    rank normalises its own heads, [B, S, heads, head_dim] sharded on dim 2, with the weight a
+    Replicate DTensor, so its gradient comes out Partial and is summed over the ranks' heads.
+
+    `moe`: a MoE layer is not split over tp: each tp rank routes its own sequence shard (the
+    layer's input and output stay Shard(1); without sequence parallel the layer takes its shard
+    of the whole sequence and gathers the result), dispatching it over the expert-parallel
+    group, which spans whole tp groups. The router (and a shared expert) run whole on each
+    rank's tokens, their gradients summed over tp. Blocks with a dense feed-forward take the
+    dense entries: `apply_tp` applies to each block the entries it has modules for."""
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        # with loss parallel the logits stay a DTensor sharded on vocab for the loss
+        "output": ColwiseParallel(input_layouts=between,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    norms = {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+             "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)} if qk_norm else {}
+    block = {
+        # (x, cos, sin, ctx): only x is distributed; the RoPE tables are whole on every rank
+        "attention": PrepareModuleInput(input_layouts=(between, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None),
+                                        use_local_output=True),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        **norms,
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                           use_local_output=True),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if moe:
+        block |= {
+            "moe": PrepareModuleInputOutput(input_layouts=(between,), desired_input_layouts=(Shard(1),),
+                                            use_local_input=True, output_layouts=(Shard(1),),
+                                            desired_output_layouts=(between,), use_local_output=True),
+            "moe.router.gate": TokenParallel(),
+            "moe.shared": TokenParallel(),
+        }
+    return TPPlan(root, block, root_norms=("norm",), block_norms=("attention_norm", "ffn_norm"))
 
 
 def wait_on_output(module: nn.Module) -> None:

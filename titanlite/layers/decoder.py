@@ -1,0 +1,140 @@
+"""The decoder-only transformer every family here is built as: token embedding, pre-norm blocks
+(attention, then a dense or mixture-of-experts feed-forward), final norm, output projection,
+with the RoPE tables the blocks read. A family's model.py says what its blocks and RoPE
+frequencies are, and subclasses `Decoder` with them; this file holds the rest once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn as nn
+
+from titanlite.layers import init, rope
+from titanlite.layers.attention import AttnContext
+from titanlite.layers.moe import MoE, moe_layers
+
+
+class DecoderArgs(Protocol):
+    """The ModelArgs fields a Decoder reads (each family's ModelArgs has them)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    norm_eps: float
+    max_seq_len: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def ffn_hidden(self) -> int: ...
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then h + ffn(norm(h)). The feed-forward is registered as
+    `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which."""
+
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module | None = None,
+                 moe: MoE | None = None):
+        super().__init__()
+        if (feed_forward is None) == (moe is None):
+            raise ValueError("a Block takes either a feed_forward or a moe layer")
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = feed_forward
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, ctx)
+        ffn = self.feed_forward if self.moe is None else self.moe
+        return h + ffn(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """tok_embeddings -> layers -> norm -> output. `block(i)` builds block i; `rope_freqs` are
+    the RoPE frequencies (CPU, in the dtype the tables are computed in) and `rope_scale` the
+    factor on the tables (YaRN's attention factor, else 1)."""
+
+    def __init__(self, args: DecoderArgs, block: Callable[[int], nn.Module], rope_freqs: torch.Tensor,
+                 rope_scale: float = 1.0):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # a dict keeps parameter names stable if layers are ever removed (pipeline stages)
+        self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # plain CPU attributes, not buffers: `to_empty` leaves them, so the tables can be recomputed
+        self.rope_freqs, self.rope_scale = rope_freqs, rope_scale
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, len(rope_freqs)), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, len(rope_freqs)), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Give every buffer its initial value: the RoPE tables (from the args alone) and zero
+        MoE loads and selection biases. Called at construction, and by titanlite.layers.init.materialize
+        after `to_empty` (which leaves buffers uninitialised)."""
+        if not self.rope_cos.is_meta:  # on meta there is nothing to fill: spare computing the tables
+            cos, sin = rope.tables(self.rope_freqs, self.args.max_seq_len, self.rope_scale)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        for moe in moe_layers([self]):
+            moe.init_buffers()
+
+    def init_weights(self, seed: int) -> None:
+        """Draw every parameter this module holds (a pipeline stage holds some), by name. A value
+        depends only on (seed, its name, its full shape), so every layout (tensor, expert or
+        pipeline parallel) starts from the weights one process would draw."""
+        # parameter names are the single-device model's on every layout (nothing wraps a module)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                init.ones_(param)
+            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+                init.normal_(param, name, seed, 1.0)
+            elif name in ("tok_embeddings.weight", "output.weight"):
+                # tied or not, drawn as the output's table, on whichever stage holds it
+                init.normal_(param, "output.weight", seed, self.args.dim ** -0.5, cutoff=3.0)
+            else:  # layers.<i>.<attention|feed_forward|moe>.[experts|shared|router].<w>[.weight]
+                layer, linear = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
+                # deeper blocks write smaller updates so the residual stream does not grow with depth
+                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
+                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
+
+    def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
+        """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits
+        [B, S, vocab] (or hidden states on an earlier stage)."""
+        if ctx is not None and ctx.positions is not None:
+            cos, sin = self.rope_cos[ctx.positions], self.rope_sin[ctx.positions]
+        else:
+            cos, sin = self.rope_cos[: tokens.shape[1]][None], self.rope_sin[: tokens.shape[1]][None]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, ctx)
+        return self.output(self.norm(h))
+
+
+def attention_params(args: DecoderArgs) -> int:
+    """Weights of one block's attention projections (q, k, v, o)."""
+    return 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.n_kv_heads * args.head_dim
+
+
+def flops_per_token(args: DecoderArgs, seq_len: int, activated_params: int) -> float:
+    """6 x the non-embedding parameters a token passes through (matmuls, forward + backward)
+    + causal attention scores."""
+    return 6 * activated_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def dense_flops_per_token(args: DecoderArgs, seq_len: int) -> float:
+    """ModelSpec.flops_per_token of a decoder whose every block has a dense feed-forward."""
+    per_layer = attention_params(args) + 3 * args.dim * args.ffn_hidden
+    return flops_per_token(args, seq_len, args.n_layers * per_layer + args.dim * args.vocab_size)
