@@ -14,7 +14,8 @@ import torch
 from harness import TINY, assert_parity, launch, train
 
 from titanlite.config import load as config_load
-from titanlite.checkpoint.dcp import _Data, load_tensors
+from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.state import DataState
 from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
@@ -184,15 +185,15 @@ def test_seed_checkpoint_needs_one_process():
 def test_data_cursor_refuses_what_cannot_be_remapped():
     loader = build_dataloader(Data(), build_tokenizer("byte"), seq_len=64, global_batch_size=8,
                               local_batch_size=4, dp_rank=0, dp_degree=2)
-    saved = _Data(loader, Data(), 64, 8).state_dict()
+    saved = DataState(loader, Data(), 64, 8).state_dict()
     with pytest.raises(ConfigError, match="data order differs in seed"):
-        _Data(loader, Data(seed=3), 64, 8).load_state_dict(saved)
+        DataState(loader, Data(seed=3), 64, 8).load_state_dict(saved)
     with pytest.raises(ConfigError, match="data order differs in seq_len"):
-        _Data(loader, Data(), 32, 8).load_state_dict(saved)
+        DataState(loader, Data(), 32, 8).load_state_dict(saved)
     with pytest.raises(ConfigError, match="consumed 24 samples, not a multiple of training.global_batch_size 16"):
-        _Data(loader, Data(), 64, 16).load_state_dict({**saved, "samples_seen": 24})
+        DataState(loader, Data(), 64, 16).load_state_dict({**saved, "samples_seen": 24})
     # a different global batch that divides the samples seen maps exactly
-    cursor = _Data(loader, Data(), 64, 16)
+    cursor = DataState(loader, Data(), 64, 16)
     cursor.load_state_dict({**saved, "samples_seen": 32})
     assert loader.batch_sampler.state_dict() == {"global_batch": 2, "micro_batch": 0}
 

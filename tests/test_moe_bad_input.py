@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from titanlite.config import load as config_load
 

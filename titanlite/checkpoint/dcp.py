@@ -7,8 +7,9 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folde
                     is global (titanlite.data.loader), so this cursor means the same on any layout
   train_state       step and tokens seen
   rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
-plus titanlite.json (model family and args, for titanlite.tools.convert). It is written as
-step-N.tmp and renamed when whole: a folder named step-N is always complete.
+(each a Stateful in titanlite.checkpoint.state), plus titanlite.json (model family and args, for
+titanlite.tools.convert). It is written as step-N.tmp and renamed when whole: a folder named
+step-N is always complete.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -38,6 +37,8 @@ from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
 from titanlite.checkpoint.hf import check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
+                                        TrainState)
 from titanlite.optim import Optimizers
 
 INFO = "titanlite.json"
@@ -47,148 +48,6 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 def _warn(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"titanlite: warning: {msg}", file=sys.stderr, flush=True)
-
-
-# ---- the pieces of a checkpoint, as DCP Stateful objects -------------------------------
-
-class _Model:
-    """The union of the parts' state dicts, keyed by whole-model parameter names."""
-
-    def __init__(self, parts: list[nn.Module]) -> None:
-        self.parts = parts
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for part in self.parts:
-            mine = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: v for k, v in sd.items() if k in mine})
-
-
-# Flattened: keyed by parameter names, not by positions in one optimizer, so the state of
-# a layer loads whichever pipeline stage holds it
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class _Optimizer:
-    """A shared (tied) weight's state is saved once, under the first of its names, as one process
-    keys it: a pipeline stage that holds the weight under another name (the output layer's copy
-    of a tied embedding) reads and writes it under that first name, so the state loads on every
-    layout."""
-
-    def __init__(self, optimizers: Optimizers, tied: tuple[tuple[str, ...], ...]) -> None:
-        self.optimizers = optimizers
-        self.first = {name: names[0] for names in tied for name in names[1:]}
-
-    def _renames(self, part: nn.Module) -> dict[str, str]:
-        """This part's key prefixes for the names it holds a shared weight under -> the saved ones."""
-        mine = dict(part.named_parameters())
-        return {f"{section}.{name}.": f"{section}.{first}." for name, first in self.first.items()
-                if name in mine and first not in mine for section in ("state", "param_groups")}
-
-    def state_dict(self) -> dict[str, Any]:
-        o, out = self.optimizers, {}
-        for part, opt in zip(o.parts, o.optimizers):
-            renames = self._renames(part)
-            for k, v in get_optimizer_state_dict(part, opt, options=_FLAT).items():
-                prefix = next((p for p in renames if k.startswith(p)), None)
-                out[k if prefix is None else renames[prefix] + k[len(prefix):]] = v
-        return out
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        o = self.optimizers
-        for part, opt in zip(o.parts, o.optimizers):
-            renames = self._renames(part)
-            view = {**sd, **{mine + k[len(saved):]: v for mine, saved in renames.items()
-                             for k, v in sd.items() if k.startswith(saved)}}
-            set_optimizer_state_dict(part, opt, view, options=_FLAT)
-
-
-class _Scheduler:
-    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config.
-    Every param group of every part follows one schedule, so the per-group lists are saved as one
-    value: the number of groups depends on the layout (one per mesh, see optim.by_mesh)."""
-
-    _PER_GROUP = ("lr_lambdas", "base_lrs", "_last_lr")
-
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
-        self.schedulers = schedulers
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = {k: v for k, v in self.schedulers[0].state_dict().items() if k not in self._PER_GROUP}
-        return {**sd, "last_lr": self.schedulers[0].get_last_lr()[0]}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        sd = dict(sd)
-        last_lr = sd.pop("last_lr", None)
-        if "_last_lr" in sd:  # written before the lists were folded
-            last_lr = sd["_last_lr"][0]
-        sd = {k: v for k, v in sd.items() if k not in self._PER_GROUP}
-        for sched in self.schedulers:
-            sched.load_state_dict({**sched.state_dict(), **sd, "_last_lr": [last_lr] * len(sched.base_lrs)})
-
-
-class _Data:
-    """The global sample cursor. Layout-free, so it is the same on every rank."""
-
-    def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
-        self.loader, self.global_batch_size = loader, global_batch_size
-        # every data setting but the worker count shapes the global sample order
-        order = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"}
-        self.order = json.dumps({**order, "seq_len": seq_len}, sort_keys=True)
-        self.samples_seen = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"samples_seen": self.samples_seen, "order": self.order}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd["order"] != self.order:
-            saved, now = json.loads(sd["order"]), json.loads(self.order)
-            keys = [k for k in now if saved.get(k) != now[k]]
-            raise ConfigError(f"the checkpoint's data order differs in {', '.join(keys)} (saved "
-                              f"{', '.join(f'{k}={saved.get(k)!r}' for k in keys)}); resuming would "
-                              "repeat or skip samples. Restore those settings or start a new dump_folder")
-        if sd["samples_seen"] % self.global_batch_size:
-            raise ConfigError(f"the checkpoint consumed {sd['samples_seen']} samples, not a multiple of "
-                              f"training.global_batch_size {self.global_batch_size}; resuming would "
-                              "repeat or skip samples. Use a global batch size that divides it")
-        self.samples_seen = sd["samples_seen"]
-        global_batch = self.samples_seen // self.global_batch_size
-        if getattr(self.loader, "batch_sampler", None) is None:
-            self.loader.dataset.resume_at(global_batch)  # a streamed source replays up to there
-            return
-        # The sampler is the loader's only state and is kept in the main process, so setting
-        # it before iter() resumes with or without workers.
-        self.loader.batch_sampler.load_state_dict({"global_batch": global_batch, "micro_batch": 0})
-
-
-@dataclasses.dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step, self.tokens_seen = sd["step"], sd["tokens_seen"]
-
-
-class _Rng:
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {"cpu": torch.get_rng_state()}
-        if self.cuda:
-            sd["cuda"] = torch.cuda.get_rng_state()
-        return sd
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(sd["cpu"])
-        if self.cuda:
-            torch.cuda.set_rng_state(sd["cuda"])
 
 
 # ---- reading folders ---------------------------------------------------------------
@@ -313,11 +172,11 @@ class CheckpointManager:
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
-        self.data = _Data(loader, data, seq_len, global_batch_size)
+        self.data = DataState(loader, data, seq_len, global_batch_size)
         self.tokens_per_step = global_batch_size * seq_len
-        self.states = {"model": _Model(parts), "optimizer": _Optimizer(optimizers, tied),
-                       "lr_scheduler": _Scheduler(optimizers.schedulers), "dataloader": self.data,
-                       "train_state": self.train_state, "rng": _Rng(torch.cuda.is_available())}
+        self.states = {"model": ModelState(parts), "optimizer": OptimizerState(optimizers, tied),
+                       "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
+                       "train_state": self.train_state, "rng": RngState(torch.cuda.is_available())}
         self.rank = dist.get_rank()
         self.pending: tuple[Path, Path, dict, Any] | None = None
         self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
@@ -374,7 +233,7 @@ class CheckpointManager:
                      saved_shapes(meta, "model."), str(path))
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
-            states["rng"] = _Rng(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+            states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
         dcp.load(states, checkpoint_id=str(path))
         if self.rank == 0:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
