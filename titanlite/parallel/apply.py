@@ -7,7 +7,6 @@ cp group from its AttnContext); a pipeline stage is cut before this runs on it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,21 +61,11 @@ _SAVE_OPS = {
 # FSDP modules nested inside a checkpointed block (expert-parallel experts have their own)
 # annotate their hooks with profiler ranges a different number of times in forward and in
 # recomputation, which per-op AC replays by count and refuses. The ranges compute nothing:
-# per-op AC passes them through, as PyTorch does for detach (a known PyTorch issue), while
-# it runs and only then.
+# per-op AC passes them through, as PyTorch does for detach (a known PyTorch issue). Added to
+# torch's set where per-op AC is applied, not at import: compile needs torch's own SAC modes as
+# the contexts, so the set cannot be scoped to them.
 _PROFILER_RANGES = {torch.ops.profiler._record_function_enter_new.default,
                     torch.ops.profiler._record_function_exit._RecordFunction}
-
-
-@contextlib.contextmanager
-def _ignoring_profiler_ranges(ctx: contextlib.AbstractContextManager):
-    added = _PROFILER_RANGES - torch.utils.checkpoint.SAC_IGNORED_OPS
-    torch.utils.checkpoint.SAC_IGNORED_OPS |= added
-    try:
-        with ctx:
-            yield
-    finally:
-        torch.utils.checkpoint.SAC_IGNORED_OPS -= added
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -84,8 +73,7 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _selective_contexts() -> tuple:
-    forward, recompute = create_selective_checkpoint_contexts(_save_matmuls_policy)
-    return _ignoring_profiler_ranges(forward), _ignoring_profiler_ranges(recompute)
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
 def _checkpoint(block: nn.Module, context_fn: Callable[[], tuple] = noop_context_fn) -> None:
@@ -105,6 +93,8 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
     if cfg.mode == "none":
         return
+    if cfg.mode == "selective" and cfg.selective_type == "op":
+        torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
     for i, block in enumerate(blocks.values()):
         if cfg.mode == "selective" and cfg.selective_type == "op":
             _checkpoint(block, _selective_contexts)
