@@ -14,28 +14,22 @@ import torch.nn.functional as F
 
 from titanlite.layers import rope
 from titanlite.layers.attention import Attention
-from titanlite.layers.decoder import Block, Decoder
+from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8
+class ModelArgs(DecoderArgs):
     vocab_size: int = 128256
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    max_seq_len: int = 131072
     rope_scaling_factor: float = 0.0
     """Llama 3.1 frequency scaling; 0 turns it off."""
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 131072
-    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:

@@ -16,16 +16,12 @@ import torch.nn.functional as F
 
 from titanlite.layers import rope
 from titanlite.layers.attention import Attention
-from titanlite.layers.decoder import Block, Decoder
+from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 36
-    n_heads: int = 32
-    n_kv_heads: int = 8
+class ModelArgs(DecoderArgs):
     head_dim: int = 128
     """Width of one attention head; Qwen3 sets it independently of dim / n_heads."""
     ffn_hidden: int = 12288
@@ -34,7 +30,6 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_seq_len: int = 40960
-    tie_embeddings: bool = False
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:

@@ -15,17 +15,13 @@ import torch.nn.functional as F
 
 from titanlite.layers import rope
 from titanlite.layers.attention import Attention
-from titanlite.layers.decoder import Block, Decoder
+from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
 from titanlite.layers.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int = 4
+class ModelArgs(DecoderArgs):
     head_dim: int = 128
     ffn_hidden: int = 6144
     """Width of the dense feed-forward in `dense_layers` (Hugging Face's intermediate_size)."""
@@ -33,7 +29,6 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_seq_len: int = 40960
-    tie_embeddings: bool = False
     moe: MoEArgs = field(default_factory=lambda: MoEArgs(num_experts=128, top_k=8, hidden=768))
     dense_layers: tuple[int, ...] = ()
     """Blocks with a dense feed-forward instead of experts (Hugging Face's mlp_only_layers)."""

@@ -6,7 +6,8 @@ frequencies are, and subclasses `Decoder` with them; this file holds the rest on
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -16,23 +17,20 @@ from titanlite.layers.attention import AttnContext
 from titanlite.layers.moe import MoE, moe_layers
 
 
-class DecoderArgs(Protocol):
-    """The ModelArgs fields a Decoder reads (each family's ModelArgs has them)."""
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The sizes every decoder has. A family's ModelArgs subclasses this, adds what is its own
+    and gives `head_dim` and `ffn_hidden` (as fields or as properties); its flavors set the rest."""
 
     dim: int
     n_layers: int
     n_heads: int
     n_kv_heads: int
     vocab_size: int
-    norm_eps: float
-    max_seq_len: int
-    tie_embeddings: bool
-
-    @property
-    def head_dim(self) -> int: ...
-
-    @property
-    def ffn_hidden(self) -> int: ...
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
 
 
 class Block(nn.Module):
