@@ -79,6 +79,40 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work(monkeypatch):
 
 
 
+@pytest.mark.parametrize("family,config_name", [("llama3", "debug_model.toml"), ("qwen3", "qwen3_debug.toml"),
+                                                 ("qwen3_moe", "qwen3_moe_debug.toml")])
+def test_tensor_parallel_moves_the_textbook_bytes(family, config_name, monkeypatch):
+    """One block's collectives over tp 8 with sequence parallel (a 3-block model's minus a 2-block
+    one's, every block traced, bf16 under autocast): forward, an all-gather of the sequence in
+    front of each split sub-layer (attention and the dense feed-forward; a MoE layer is not
+    split over tp) and a reduce-scatter behind it, each B x S x dim in bf16; backward the same
+    in reverse; no activation all-reduced: only the weight gradients of what runs whole on
+    every rank (norms, QK-norms, the router), once each, in float32."""
+    spec = get_model_spec(family)
+    comms, args = {}, None
+    for n in (2, 3):
+        args = dataclasses.replace(spec.flavors["debugmodel"], n_kv_heads=8, n_layers=n)
+        monkeypatch.setitem(spec.flavors, "tp8", args)
+        cfg, _ = config.load(["--config", config_name, "--model.flavor", "tp8", "--training.seq_len", "64",
+                              "--training.local_batch_size", "1", "--parallelism.tensor_parallel_degree", "8",
+                              "--parallelism.expert_parallel_degree", "8" if family == "qwen3_moe" else "1",
+                              "--activation_checkpoint.mode", "none"])
+        (role,) = dry_run(cfg, 8, full=True)["_roles"]
+        comms[n] = role.comms
+    block = {(kind, phase): (c["count"] - comms[2].get((kind, g, phase), {}).get("count", 0),
+                             c["bytes"] - comms[2].get((kind, g, phase), {}).get("bytes", 0))
+             for (kind, g, phase), c in comms[3].items() if g == "tp"}
+    split = 1 if family == "qwen3_moe" else 2
+    activation = 64 * args.dim * 2
+    for phase in ("forward", "backward"):
+        assert block[("all_gather", phase)] == (split, split * activation), phase
+        assert block[("reduce_scatter", phase)] == (split, split * activation), phase
+    assert block.get(("all_reduce", "forward"), (0, 0)) == (0, 0)
+    with torch.device("meta"):
+        whole = [p for name, p in spec.build(args).layers["0"].named_parameters() if "norm" in name or "router" in name]
+    assert block[("all_reduce", "backward")] == (len(whole), 4 * sum(p.numel() for p in whole))
+
+
 def _assert_same_trace(a, b) -> None:
     for phase in PHASES:
         assert a.peaks[phase] == pytest.approx(b.peaks[phase], rel=1e-9), phase

@@ -26,9 +26,13 @@ def test_grad_accumulation_across_world_sizes():
     assert_parity(ref.losses, run.losses)
 
 
-def test_bf16_on_cpu_by_option_tracks_fp32():
+@pytest.mark.parametrize("layout", [["--training.local_batch_size", "4"],
+                                    # no FSDP: autocast, with TP's inputs gathered in bf16
+                                    ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]],
+                         ids=["fsdp", "tp"])
+def test_bf16_on_cpu_by_option_tracks_fp32(layout):
     ref = reference([*GLOBAL8, "--training.local_batch_size", "8"])
-    run = train(2, [*GLOBAL8, "--training.mixed_precision_param", "bfloat16"])
+    run = train(2, [*GLOBAL8, *layout, "--training.mixed_precision_param", "bfloat16"])
     # bf16 keeps ~3 significant digits: close to fp32, but not equal to it
     assert run.losses != ref.losses
     for a, b in zip(ref.losses, run.losses):

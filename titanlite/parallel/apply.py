@@ -149,7 +149,9 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         apply_float8(blocks, opts.float8, fsdp=meshes.dims.fsdp)
     if meshes.dims.tp > 1:
         plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
-        apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel)
+        # without FSDP autocast gives the mixed precision, and the residual stream is float32
+        autocast = opts.param_dtype if not meshes.dims.fsdp and opts.param_dtype != torch.float32 else None
+        apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel, gather_dtype=autocast)
     if meshes.dims.ep > 1:
         apply_ep(model, meshes.ep)
     if meshes.dims.dp * meshes.dims.cp * meshes.dims.tp > 1:

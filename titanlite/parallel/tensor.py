@@ -109,17 +109,18 @@ def decoder_plan(between: Placement, loss_parallel: bool, qk_norm: bool = False,
     norms = {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
              "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)} if qk_norm else {}
     block = {
-        # (x, cos, sin, ctx): only x is distributed; the RoPE tables are whole on every rank
+        # (x, cos, sin, ctx): only x is distributed; the RoPE tables are whole on every rank.
+        # x stays a DTensor so that wq, wk and wv's input gradients (Partial) are summed first
+        # and leave the sub-layer as one reduce-scatter (one all-reduce without sequence
+        # parallel); a plain x would make each of them all-reduce its own gradient.
         "attention": PrepareModuleInput(input_layouts=(between, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None),
-                                        use_local_output=True),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         **norms,
         "attention.wo": RowwiseParallel(output_layouts=between),
-        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                           use_local_output=True),
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
         "feed_forward.w3": ColwiseParallel(),
@@ -160,8 +161,21 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool) -> None:
-    """Split `model` over the TP mesh as `plan` says, keeping shared (tied) parameters shared."""
+def gather_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `module`'s floating-point inputs to `dtype` before its TP input hook gathers them.
+    Under autocast the residual stream (and a norm's output) is float32 and the matmuls cast
+    it to `dtype` anyway: casting before the all-gather rather than after moves half the bytes
+    forward, and the input gradient is reduce-scattered in `dtype` too, as under FSDP."""
+    def cast(mod: nn.Module, inputs: tuple) -> tuple:
+        return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+    module.register_forward_pre_hook(cast, prepend=True)
+
+
+def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool,
+             gather_dtype: torch.dtype | None = None) -> None:
+    """Split `model` over the TP mesh as `plan` says, keeping shared (tied) parameters shared.
+    `gather_dtype`: the dtype autocast computes in, when autocast gives the mixed precision."""
     shared = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
@@ -180,9 +194,15 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TP
     for name in root:
         if isinstance(model.get_submodule(name), nn.Embedding):
             wait_on_output(model.get_submodule(name))  # before compiled blocks
+        elif gather_dtype is not None:
+            gather_in(model.get_submodule(name), gather_dtype)
     for b in blocks.values():
         # a block holds either a dense feed-forward or a MoE layer: its plan is the entries it has
         parallelize_module(b, mesh, {n: style for n, style in block.items() if _has(b, n)})
+        if gather_dtype is not None:
+            for n, style in block.items():
+                if isinstance(style, PrepareModuleInput) and _has(b, n):
+                    gather_in(b.get_submodule(n), gather_dtype)
     for names in tied:
         # parallelize_module gave each module its own copy; tied modules share a layout (e.g.
         # embedding and output both shard the vocab), so one DTensor serves all of them
