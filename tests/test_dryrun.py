@@ -113,6 +113,21 @@ def test_tensor_parallel_moves_the_textbook_bytes(family, config_name, monkeypat
     assert block[("all_reduce", "backward")] == (len(whole), 4 * sum(p.numel() for p in whole))
 
 
+def test_the_loss_holds_one_chunk_of_float32_logits(monkeypatch):
+    """At 8,192 tokens and a 32,768 vocabulary the float32 logits are 1 GiB. The whole loss keeps
+    their log-softmax for backward (in place of the 0.5 GiB bf16 logits) and, in backward, a
+    float32 gradient of them beside the bf16 one; in chunks of 256 MiB the step holds no full
+    float32 copy: its peak is lower by more than the 1 GiB (1.375 GiB when measured)."""
+    cfg, _ = config.load(["--config", "debug_model.toml", "--model.vocab_size", "32768",
+                          "--training.seq_len", "8192", "--training.local_batch_size", "1"])
+    peaks = {}
+    for chunk in (1 << 40, 1 << 28):
+        monkeypatch.setattr("titanlite.loss.CHUNK_BYTES", chunk)
+        (role,) = dry_run(cfg, 1)["_roles"]
+        peaks[chunk] = role.peaks[role.peak_phase]["total"]
+    assert peaks[1 << 40] - peaks[1 << 28] > 2**30, peaks
+
+
 def _assert_same_trace(a, b) -> None:
     for phase in PHASES:
         assert a.peaks[phase] == pytest.approx(b.peaks[phase], rel=1e-9), phase

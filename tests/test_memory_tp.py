@@ -1,13 +1,14 @@
 """FSDP x TP really divides memory: each of the 4 ranks of a dp_shard=2 x tp=2 layout
 holds a quarter of the debug model's parameters and AdamW moments (plus its share of
 the RMSNorm weights, which TP replicates and only FSDP shards), and, with loss parallel,
-half of the logits."""
+half of the logits; the loss in chunks equals the whole loss under loss parallel."""
 
 import dataclasses
 import json
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor
 import titanlite.models.llama3 as llama3
 from titanlite.config.job import ActivationCheckpoint, Compile, Optimizer
 from titanlite.parallel.mesh import ParallelDims
+from titanlite import loss
 from titanlite.loss import cross_entropy_sum, loss_context
 from titanlite.layers import init
 from titanlite.config.job import LRScheduler
@@ -47,6 +49,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         logits = model(tokens)
         # loss parallel: each rank holds only its half of the vocabulary's logits
         assert isinstance(logits, DTensor) and logits.to_local().shape == (2, 64, ARGS.vocab_size // 2)
+        _chunks_equal_the_whole(logits.detach())
         cross_entropy_sum(logits, tokens).backward()
     reduce_partial_grads(list(model.parameters()))
     optimizer.step()  # AdamW allocates its moments lazily, in the parameters' layout
@@ -56,6 +59,22 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         "moments": sum(_local_bytes(m) for m in moments)}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _chunks_equal_the_whole(logits: DTensor) -> None:
+    """Under loss parallel the loss in chunks of 10 tokens (each rank: 256 of the 512 logits per
+    token) is the whole loss: the same sum, the same logits gradient."""
+    labels = torch.randint(0, ARGS.vocab_size, logits.shape[:2], generator=torch.Generator().manual_seed(2))
+    results = []
+    for chunk_bytes in (1 << 28, 4 * 256 * 10):
+        loss.CHUNK_BYTES = chunk_bytes
+        x = logits.clone().requires_grad_()
+        total = cross_entropy_sum(x, labels)
+        total.backward()
+        results.append((total.item(), x.grad.to_local()))
+    loss.CHUNK_BYTES = 1 << 28
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
 
 
 def test_fsdp2_x_tp2_holds_a_quarter_per_rank():

@@ -1,5 +1,5 @@
 """The training loss: summed token cross-entropy, optionally on vocab-sharded logits, and
-optionally compiled."""
+optionally compiled, in chunks of tokens at long context."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
 
 from titanlite.config.job import Compile
 
 IGNORE_INDEX = -100
+CHUNK_BYTES = 1 << 28
+"""The float32 logits (this rank's vocabulary shard) the loss holds for one chunk of tokens."""
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
@@ -21,22 +24,42 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the per-token losses over targets that are not IGNORE_INDEX, as a plain tensor.
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
-    Under loss parallel, `logits` is a DTensor sharded on vocab; each rank reduces its
-    shard and the result is the same (replicated) sum on every tensor-parallel rank.
-    """
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+def chunked(token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+            ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Sum `token_loss_sum` over chunks of at most CHUNK_BYTES of float32 logits, each chunk
+    recomputed in backward. Whole, the loss keeps the float32 log-softmax of every token for
+    backward and its gradient at once (2 x 7.8 GiB for Llama 3's vocabulary at 16,384 tokens
+    per rank); chunked, it keeps only the logits it was given and one chunk's float32 at a time.
+
+    Under loss parallel, the logits are a DTensor sharded on vocab; each rank reduces its
+    shard and the result is the same (replicated) sum on every tensor-parallel rank."""
+    def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        flat, targets = logits.flatten(0, 1), labels.flatten()
+        vocab = (flat.to_local() if isinstance(flat, DTensor) else flat).shape[-1]
+        rows = max(1, CHUNK_BYTES // (4 * vocab))
+        if rows >= len(targets):
+            loss = token_loss_sum(flat, targets)
+        else:
+            loss = sum(checkpoint(token_loss_sum, x, y, use_reentrant=False)
+                       for x, y in zip(flat.split(rows), targets.split(rows)))
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    return loss_sum
+
+
+cross_entropy_sum = chunked(_token_loss_sum)
+"""Sum of the per-token losses over targets that are not IGNORE_INDEX, as a plain tensor."""
 
 
 def build_loss_fn(cfg: Compile, loss_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """cross_entropy_sum, compiled when compile.components has "loss". Under loss parallel it
-    stays eager: its DTensor cross-entropy runs inside the loss_parallel() context."""
+    """cross_entropy_sum, each chunk compiled when compile.components has "loss". Under loss
+    parallel it stays eager: its DTensor cross-entropy runs inside the loss_parallel() context."""
     if cfg.enable and "loss" in cfg.components and not loss_parallel:
-        return torch.compile(cross_entropy_sum, fullgraph=True)
+        return chunked(torch.compile(_token_loss_sum, fullgraph=True))
     return cross_entropy_sum
 
 
