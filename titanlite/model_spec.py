@@ -79,8 +79,8 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
     if seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len {seq_len} exceeds {spec.name} {flavor}'s "
                           f"max_seq_len {args.max_seq_len}")
-    # the RoPE table only needs to cover the training sequence
-    updates = {"max_seq_len": seq_len}
+    # the RoPE table only needs to cover the training sequence; an export keeps the model's own
+    updates = {"max_seq_len": seq_len, "context_len": args.context_len or args.max_seq_len}
     if vocab_size:
         updates["vocab_size"] = vocab_size
     if moe is not None and hasattr(args, "moe"):
