@@ -106,12 +106,12 @@ def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes():
         assert abs(r["norm"] - r["expected"]) <= 1e-6 * r["expected"], r
 
 
-def _meta_parallelized(family: str, opts: ParallelizeOptions) -> nn.Module:
+def _meta_parallelized(family: str, opts: ParallelizeOptions, **changes) -> nn.Module:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         spec = get_model_spec(family)
         with torch.device("meta"):
-            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32))
+            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32, **changes))
         parallelize(model, spec, ParallelDims(1, 1, 1, 1).build_meshes("cpu"), opts)
         return model
     finally:
@@ -129,6 +129,23 @@ def test_float8_converts_the_linear_layers_inside_blocks_of_every_family(family)
     linears = [m for b in model.layers.values() for m in b.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, Float8Linear) for m in linears)
     assert not isinstance(model.output, Float8Linear)  # embeddings and output stay as they are
+
+
+def test_float8_keeps_router_gates_in_high_precision():
+    pytest.importorskip("torchao", reason="installed with the test extras")
+    from torchao.float8.float8_linear import Float8Linear
+
+    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+                              float8=Float8(enable=True))
+    spec = get_model_spec("qwen3_moe")
+    # 16 experts: a gate float8 matmuls could take (both dims multiples of 16), and a shared expert
+    moe = dataclasses.replace(spec.flavors["debugmodel"].moe, num_experts=16, shared_hidden=128)
+    model = _meta_parallelized("qwen3_moe", opts, moe=moe)
+    gates = [b.moe.router.gate for b in model.layers.values()]
+    others = [m for b in model.layers.values() for m in b.modules()
+              if isinstance(m, nn.Linear) and all(m is not g for g in gates)]
+    assert gates and all(type(g) is nn.Linear for g in gates)  # routing decisions stay exact
+    assert others and all(isinstance(m, Float8Linear) for m in others)
 
 
 PHASE = """

@@ -36,12 +36,16 @@ def preflight(cfg: Float8, device: str, tp: int) -> None:
 
 
 def _fits(module: nn.Module, fqn: str) -> bool:
-    # float8 matmuls need both Linear dims divisible by 16
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    # float8 matmuls need both Linear dims divisible by 16. A MoE router's gate stays in high
+    # precision (as TorchTitan keeps it): its scores pick the experts, and a float8 rounding
+    # flips the top-k of near-tied tokens.
+    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and not fqn.endswith("router.gate"))
 
 
 def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
-    """Swap each block's nn.Linear for torchao's Float8Linear; embeddings and output stay as they are."""
+    """Swap each block's nn.Linear for torchao's Float8Linear, router gates apart; embeddings and
+    output stay as they are."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.recipe == "tensorwise":
