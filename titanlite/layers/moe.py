@@ -207,10 +207,11 @@ class MoE(nn.Module):
         # scatter_add rather than bincount, which reads the largest id on the host (a sync) on CUDA
         counts = torch.zeros(self.args.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_ids, torch.ones_like(flat_ids))
-        with torch.no_grad():
-            # Recomputation under activation checkpointing counts a layer twice; balancing and
-            # the logged max/mean only use ratios between one layer's counts, which that keeps.
-            self.tokens_per_expert += counts
+        if self.training:  # validation (eval mode) must not steer the next bias update
+            with torch.no_grad():
+                # Recomputation under activation checkpointing counts a layer twice; balancing and
+                # the logged max/mean only use ratios between one layer's counts, which that keeps.
+                self.tokens_per_expert += counts
         # group the T*k (token, slot) pairs by expert; stable, so the order is layout independent
         order = torch.argsort(flat_ids, stable=True)
         routed = self.dispatch(self.experts, x[order // self.args.top_k], counts)
