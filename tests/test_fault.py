@@ -290,3 +290,14 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, policy):
         assert run.returncode == 1 and run.metrics[-1]["step"] == 3  # step 4 ends in its save, before its log
     else:
         assert run.returncode == 0 and run.metrics[-1]["step"] == 6
+
+
+def test_post_step_hooks_skip_a_skipped_step(tmp_path):
+    # the router-bias update of a MoE model: a NaN step moves no bias, the steps around it do
+    args = [*TINY, "--model.name", "qwen3_moe", "--training.steps", "4", "--training.on_nonfinite", "skip",
+            "--moe.bias_update_rate", "0.01"]
+    run = launch(1, args, dump=tmp_path, env={"TITANLITE_FAULTS": "nan@3"}, timeout=LIMIT_S)
+    assert run.returncode == 0, run.output[-3000:]
+    norms = [m["moe_router_bias_norm"] for m in run.metrics]
+    assert [m["skipped_steps"] for m in run.metrics] == [0, 0, 1, 1]
+    assert norms[0] > 0 and norms[2] == norms[1] != norms[3], norms

@@ -90,11 +90,12 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
                                  loss_fn, opts, cp_group, autocast, device, shapes, inject)
 
 
-def run_hooks(hooks: list) -> dict[str, torch.Tensor]:
-    """Post-step hooks; each may return scalars to log (device tensors, read only when logged)."""
+def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Post-step hooks, told on the device whether the step was skipped; each may return scalars
+    to log (device tensors, read only when logged)."""
     scalars = {}
     for hook in hooks:
-        scalars |= hook() or {}
+        scalars |= hook(skipped) or {}
     return scalars
 
 
@@ -182,7 +183,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             optimizers.step(bad if fused_optimizer else None)
         optimizers.step_schedule()
         optimizers.zero_grad()
-        scalars = run_hooks(hooks)
+        # bad: the device's verdict, also where the host reads it a step late
+        scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         guard.phase("checkpoint save")
