@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,28 @@ def test_float8_keeps_router_gates_in_high_precision():
               if isinstance(m, nn.Linear) and all(m is not g for g in gates)]
     assert gates and all(type(g) is nn.Linear for g in gates)  # routing decisions stay exact
     assert others and all(isinstance(m, Float8Linear) for m in others)
+
+
+def test_deterministic_mode_sets_up_cuda_for_determinism(monkeypatch):
+    # by construction only (it sets flags, no GPU needed): the suite has no GPU to run a CUDA
+    # job twice and compare bits
+    from titanlite.runtime.determinism import set_determinism
+
+    b = torch.backends
+    sdp = [b.cuda.flash_sdp_enabled, b.cuda.mem_efficient_sdp_enabled, b.cuda.cudnn_sdp_enabled, b.cuda.math_sdp_enabled]
+    switches = [b.cuda.enable_flash_sdp, b.cuda.enable_mem_efficient_sdp, b.cuda.enable_cudnn_sdp, b.cuda.enable_math_sdp]
+    before = (torch.are_deterministic_algorithms_enabled(), b.cudnn.deterministic, b.cudnn.benchmark, [f() for f in sdp])
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        set_determinism(torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled() and b.cudnn.deterministic and not b.cudnn.benchmark
+        assert [f() for f in sdp] == [False, False, False, True]  # math attention only
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        b.cudnn.deterministic, b.cudnn.benchmark = before[1], before[2]
+        for switch, on in zip(switches, before[3]):
+            switch(on)
 
 
 PHASE = """

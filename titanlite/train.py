@@ -30,6 +30,7 @@ from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.errors import ConfigError, RunError
+from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.loss import build_loss_fn
@@ -103,12 +104,12 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     """Returns the run's last line: how it stopped after a signal, or None."""
     t = cfg.training
     device = pick_device(t.device)
+    if t.deterministic:  # before the process group: NCCL's set-up may already run CUDA work
+        set_determinism(device)
     enable_flight_recorder(cfg.job.dump_folder)
     init_process_group(device, cfg.comm.init_timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(t.seed)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True)
     dims = plan.dims
     meshes = dims.build_meshes(device.type)
     dtype = param_dtype(t.mixed_precision_param, device)

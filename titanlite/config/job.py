@@ -52,7 +52,9 @@ class Training:
     seed: int = 0
     """Seed for weight init and dropout-free randomness."""
     deterministic: bool = False
-    """Use deterministic algorithms (slower)."""
+    """Use deterministic algorithms (slower); on CUDA also cuBLAS's fixed workspace, cuDNN without
+    autotuning and the math attention kernel (titanlite/runtime/determinism.py; not run on a GPU
+    by the test suite)."""
     mixed_precision_param: str = "auto"
     """Parameter dtype in forward/backward: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
     mixed_precision_reduce: str = "float32"
