@@ -107,6 +107,34 @@ def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes():
         assert abs(r["norm"] - r["expected"]) <= 1e-6 * r["expected"], r
 
 
+# layout -> world size, process groups per rank (the default one included): the world and the
+# rank alone, then one group per further distinct set of ranks (docs/benchmarks.md)
+GROUP_LAYOUTS = {"fsdp 8": (ParallelDims(1, 8, 1, 1), 8, 2), "fsdp 4 x tp 2": (ParallelDims(1, 4, 1, 2), 8, 4),
+                 "fsdp 4 x tp 2, ep 4": (ParallelDims(1, 4, 1, 2, ep=4), 8, 6),
+                 "hsdp 2x2 x cp 2 x tp 2 x pp 2": (ParallelDims(2, 2, 2, 2, pp=2), 32, 12)}
+
+
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS)
+def test_each_set_of_ranks_gets_one_process_group(layout):
+    from titanlite.dryrun import run  # noqa: F401  registers torch's "fake" backend, as the dry run does
+
+    dims, world, expected = GROUP_LAYOUTS[layout]
+    dist.init_process_group("fake", store=dist.HashStore(), rank=world - 1, world_size=world)
+    try:
+        meshes = dims.build_meshes("cpu")
+        held = [tuple(dist.get_process_group_ranks(g)) for g in dist.distributed_c10d._world.pg_map]  # private: all of them
+        assert len(set(held)) == len(held), f"duplicate process groups: {sorted(held)}"
+        assert len(held) == meshes.groups.count == expected
+        if layout.startswith("hsdp"):  # the last rank: coordinate 1 in every dimension
+            assert dist.get_process_group_ranks(meshes.tp.get_group()) == [30, 31]
+            assert dist.get_process_group_ranks(meshes.cp.get_group()) == [29, 31]
+            assert meshes.fsdp.mesh.tolist() == [[17, 19, 21, 23], [25, 27, 29, 31]]
+            assert dist.get_process_group_ranks(meshes.loss_group) == list(range(1, 32, 2))
+            assert [meshes.dense.get_local_rank(d) for d in meshes.dense.mesh_dim_names] == [1, 1, 3, 1]
+    finally:
+        dist.destroy_process_group()
+
+
 def _meta_parallelized(family: str, opts: ParallelizeOptions, **changes) -> nn.Module:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -111,7 +111,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     rank = dist.get_rank()
     torch.manual_seed(t.seed)
     dims = plan.dims
-    meshes = dims.build_meshes(device.type)
+    meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
     dtype = param_dtype(t.mixed_precision_param, device)
     opts = parallelize_options(cfg, dims, dtype)
     parts = build_parts(plan, meshes, opts, device, t.seed)
@@ -127,25 +127,28 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
                              global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
-                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied)
+                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
+                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
-    if rank == 0:
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
-              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
-              f"{device.type}, {dtype}", flush=True)
-        if warmup_note(cfg.lr_scheduler, t.steps):
-            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     stop_line = None
-    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
+    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
+                  set_comm_timeout=meshes.groups.set_timeout)
     train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
+    # after build_step, which may make the last process groups (a tied pipeline's pairs)
+    if rank == 0:
+        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
+              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
+              f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
+        if warmup_note(cfg.lr_scheduler, t.steps):
+            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
@@ -224,6 +227,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     gc_control.stop(t.gc_freq)
+    guard.phase("checkpoint save")  # the last save may still be writing
     ckpt.close()
     guard.close()
     metrics.close()

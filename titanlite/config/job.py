@@ -277,12 +277,16 @@ class MoE:
 
 @dataclass(frozen=True)
 class Comm:
+    """Time limits by phase (as TorchTitan's): each bounds the phase on a watchdog thread and,
+    5 s later, every collective issued in it (the process groups' timeout follows the phase)."""
+
     init_timeout_s: int = 300
-    """Timeout for process-group creation and the first collectives."""
-    train_timeout_s: int = 300
+    """Seconds for set-up (process groups, model, first load) and the first step, which also
+    compiles and warms up."""
+    train_timeout_s: int = 100
     """Seconds the compute of any training step after the first may take (collectives
     included), and its logging; past it, every rank writes its stacks to <dump_folder>/hang/
-    and exits non-zero."""
+    and exits non-zero. At most comm.init_timeout_s."""
     save_timeout_s: int = 600
     """Seconds a checkpoint save may take (the same hang report past it)."""
     validation_timeout_s: int = 600
