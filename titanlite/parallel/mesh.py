@@ -156,7 +156,7 @@ def _set_group_timeout(timeout: datetime.timedelta, group: dist.ProcessGroup) ->
 
 @dataclass(frozen=True)
 class Meshes:
-    """Named sub-meshes of the world mesh [pp, dp_replicate, dp_shard, cp, tp]."""
+    """Named views of the world as [pp, dp_replicate, dp_shard, cp, tp] (row-major over global ranks)."""
 
     dims: ParallelDims
     dense: DeviceMesh
