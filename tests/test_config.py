@@ -69,6 +69,8 @@ def test_bool_flag_without_value():
     (["steps"], "unexpected argument 'steps'"),
     (["--steps", "3"], "option '--steps' must look like --section.key"),
     (["--parallelism.data_parallel_shard_degree", "0"], "must be >= 1 or -1"),
+    (["--comm.train_timeout_s", "400"], "comm.train_timeout_s 400 is longer than comm.init_timeout_s 300 (set-up and "
+                                        "the first step); raise comm.init_timeout_s too"),
 ])
 def test_cli_errors_name_the_key(argv, message):
     with pytest.raises(ConfigError) as e:

@@ -185,13 +185,20 @@ def test_dead_rank_survivor_exits_with_a_message_and_the_restart_resumes(tmp_pat
     assert again.done(0)["step"] == 10
 
 
-def test_hang_dumps_every_rank_stack_and_exits(tmp_path):
-    args = [*TINY, "--comm.train_timeout_s", "4", "--comm.init_timeout_s", "60"]
-    ranks = spawn(2, args, tmp_path, faults="hang@3:1")
+def test_timeouts_follow_the_phase_and_a_hang_dumps_every_rank_stack(tmp_path):
+    # rank 1 starts step 2's save 8 s late, while rank 0 waits in the save's collectives: past
+    # the set-up timeout (6 s), inside the save's (30 s). Then it hangs in step 3 and both
+    # ranks end on the steady steps' 4 s, not the set-up's 6 s.
+    args = [*TINY, "--comm.train_timeout_s", "4", "--comm.init_timeout_s", "6", "--comm.save_timeout_s", "30",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    ranks = spawn(2, args, tmp_path, faults="slowsave@2:1,hang@3:1")
     start = time.monotonic()
     codes = ranks.wait()
     assert codes == [124, 124], [ranks.log(0), ranks.log(1)]
     assert time.monotonic() - start < 90
+    assert (tmp_path / "checkpoint" / "step-2").is_dir()
+    first = next(line for line in ranks.log(0).splitlines() if line.startswith("titanlite: "))
+    assert first.endswith(", 2 process groups per rank"), first  # the world and this rank alone
     for r in range(2):
         (err,) = _errors(ranks.log(r))
         assert "step 3: exceeded comm.train_timeout_s (4 s)" in err and f"hang/rank-{r}.txt" in err
@@ -290,3 +297,14 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, policy):
         assert run.returncode == 1 and run.metrics[-1]["step"] == 3  # step 4 ends in its save, before its log
     else:
         assert run.returncode == 0 and run.metrics[-1]["step"] == 6
+
+
+def test_post_step_hooks_skip_a_skipped_step(tmp_path):
+    # the router-bias update of a MoE model: a NaN step moves no bias, the steps around it do
+    args = [*TINY, "--model.name", "qwen3_moe", "--training.steps", "4", "--training.on_nonfinite", "skip",
+            "--moe.bias_update_rate", "0.01"]
+    run = launch(1, args, dump=tmp_path, env={"TITANLITE_FAULTS": "nan@3"}, timeout=LIMIT_S)
+    assert run.returncode == 0, run.output[-3000:]
+    norms = [m["moe_router_bias_norm"] for m in run.metrics]
+    assert [m["skipped_steps"] for m in run.metrics] == [0, 0, 1, 1]
+    assert norms[0] > 0 and norms[2] == norms[1] != norms[3], norms

@@ -5,6 +5,7 @@ Tiny random LlamaForCausalLM models cover GQA, tied embeddings and Llama 3.1 RoP
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs, Transformer
 from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
 from titanlite.errors import ConfigError
-from titanlite.tools.convert import main as convert_main
+from titanlite.model_spec import get_model_spec, model_args
+from titanlite.tools.convert import _rebuild, main as convert_main
 from titanlite.checkpoint.hf import check_hf_config, read_config, read_safetensors
 
 ADAPTER = SPEC.hf
@@ -176,3 +178,15 @@ def test_public_api_reads_builds_and_writes_a_transformers_folder(tmp_path):
         ours, theirs = model(TOKENS), hf(TOKENS).logits
     assert theirs.abs().max() > 1.0
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+def test_export_writes_the_model_context_length_not_the_training_one(family):
+    # training shrinks max_seq_len to training.seq_len (RoPE tables); the args a checkpoint
+    # stores (titanlite.json, read back by the converter) must still export the model's own
+    spec = get_model_spec(family)
+    args = model_args(spec, "debugmodel", 0, seq_len=64)
+    saved = _rebuild(next(iter(spec.flavors.values())), json.loads(json.dumps(dataclasses.asdict(args))))
+    cfg = spec.hf.config_to_hf(saved, torch.float32)
+    assert args.max_seq_len == 64
+    assert cfg["max_position_embeddings"] == spec.flavors["debugmodel"].max_seq_len > 64

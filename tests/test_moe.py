@@ -160,3 +160,23 @@ def _grad_without_aux(x: torch.Tensor) -> torch.Tensor:
 def test_top_k_larger_than_experts_is_refused():
     with pytest.raises(ValueError, match="top_k 9"):
         MoE(DIM, dataclasses.replace(ARGS, top_k=9))
+
+
+def test_validation_forward_leaves_the_loads_that_steer_the_bias_alone():
+    # titanlite.data.validation runs the parts in eval mode without grad, between a step's
+    # forward and its post-step bias update
+    moe = _moe(dataclasses.replace(ARGS, bias_update_rate=0.01))
+    with torch.no_grad():
+        moe(_x())
+        loads = moe.tokens_per_expert.clone()
+        moe.eval()
+        moe(_x(seed=2))
+        moe.train()
+    assert torch.equal(moe.tokens_per_expert, loads)
+
+
+def test_a_skipped_step_keeps_the_router_biases_and_drops_its_loads():
+    moe = _moe(dataclasses.replace(ARGS, bias_update_rate=0.01))
+    moe.tokens_per_expert.copy_(torch.tensor([10.0, 0, 2, 4, 4, 4, 4, 4]))
+    update_router_bias([moe], group=None, skipped=torch.tensor(1.0))  # the device flag, unread by the host
+    assert moe.router.expert_bias.tolist() == [0.0] * 8 and moe.tokens_per_expert.sum() == 0

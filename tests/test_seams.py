@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -106,12 +107,40 @@ def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes():
         assert abs(r["norm"] - r["expected"]) <= 1e-6 * r["expected"], r
 
 
-def _meta_parallelized(family: str, opts: ParallelizeOptions) -> nn.Module:
+# layout -> world size, process groups per rank (the default one included): the world and the
+# rank alone, then one group per further distinct set of ranks (docs/benchmarks.md)
+GROUP_LAYOUTS = {"fsdp 8": (ParallelDims(1, 8, 1, 1), 8, 2), "fsdp 4 x tp 2": (ParallelDims(1, 4, 1, 2), 8, 4),
+                 "fsdp 4 x tp 2, ep 4": (ParallelDims(1, 4, 1, 2, ep=4), 8, 6),
+                 "hsdp 2x2 x cp 2 x tp 2 x pp 2": (ParallelDims(2, 2, 2, 2, pp=2), 32, 12)}
+
+
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS)
+def test_each_set_of_ranks_gets_one_process_group(layout):
+    from titanlite.dryrun import run  # noqa: F401  registers torch's "fake" backend, as the dry run does
+
+    dims, world, expected = GROUP_LAYOUTS[layout]
+    dist.init_process_group("fake", store=dist.HashStore(), rank=world - 1, world_size=world)
+    try:
+        meshes = dims.build_meshes("cpu")
+        held = [tuple(dist.get_process_group_ranks(g)) for g in dist.distributed_c10d._world.pg_map]  # private: all of them
+        assert len(set(held)) == len(held), f"duplicate process groups: {sorted(held)}"
+        assert len(held) == meshes.groups.count == expected
+        if layout.startswith("hsdp"):  # the last rank: coordinate 1 in every dimension
+            assert dist.get_process_group_ranks(meshes.tp.get_group()) == [30, 31]
+            assert dist.get_process_group_ranks(meshes.cp.get_group()) == [29, 31]
+            assert meshes.fsdp.mesh.tolist() == [[17, 19, 21, 23], [25, 27, 29, 31]]
+            assert dist.get_process_group_ranks(meshes.loss_group) == list(range(1, 32, 2))
+            assert [meshes.dense.get_local_rank(d) for d in meshes.dense.mesh_dim_names] == [1, 1, 3, 1]
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_parallelized(family: str, opts: ParallelizeOptions, **changes) -> nn.Module:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         spec = get_model_spec(family)
         with torch.device("meta"):
-            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32))
+            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32, **changes))
         parallelize(model, spec, ParallelDims(1, 1, 1, 1).build_meshes("cpu"), opts)
         return model
     finally:
@@ -129,6 +158,45 @@ def test_float8_converts_the_linear_layers_inside_blocks_of_every_family(family)
     linears = [m for b in model.layers.values() for m in b.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, Float8Linear) for m in linears)
     assert not isinstance(model.output, Float8Linear)  # embeddings and output stay as they are
+
+
+def test_float8_keeps_router_gates_in_high_precision():
+    pytest.importorskip("torchao", reason="installed with the test extras")
+    from torchao.float8.float8_linear import Float8Linear
+
+    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+                              float8=Float8(enable=True))
+    spec = get_model_spec("qwen3_moe")
+    # 16 experts: a gate float8 matmuls could take (both dims multiples of 16), and a shared expert
+    moe = dataclasses.replace(spec.flavors["debugmodel"].moe, num_experts=16, shared_hidden=128)
+    model = _meta_parallelized("qwen3_moe", opts, moe=moe)
+    gates = [b.moe.router.gate for b in model.layers.values()]
+    others = [m for b in model.layers.values() for m in b.modules()
+              if isinstance(m, nn.Linear) and all(m is not g for g in gates)]
+    assert gates and all(type(g) is nn.Linear for g in gates)  # routing decisions stay exact
+    assert others and all(isinstance(m, Float8Linear) for m in others)
+
+
+def test_deterministic_mode_sets_up_cuda_for_determinism(monkeypatch):
+    # by construction only (it sets flags, no GPU needed): the suite has no GPU to run a CUDA
+    # job twice and compare bits
+    from titanlite.runtime.determinism import set_determinism
+
+    b = torch.backends
+    sdp = [b.cuda.flash_sdp_enabled, b.cuda.mem_efficient_sdp_enabled, b.cuda.cudnn_sdp_enabled, b.cuda.math_sdp_enabled]
+    switches = [b.cuda.enable_flash_sdp, b.cuda.enable_mem_efficient_sdp, b.cuda.enable_cudnn_sdp, b.cuda.enable_math_sdp]
+    before = (torch.are_deterministic_algorithms_enabled(), b.cudnn.deterministic, b.cudnn.benchmark, [f() for f in sdp])
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        set_determinism(torch.device("cuda"))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled() and b.cudnn.deterministic and not b.cudnn.benchmark
+        assert [f() for f in sdp] == [False, False, False, True]  # math attention only
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        b.cudnn.deterministic, b.cudnn.benchmark = before[1], before[2]
+        for switch, on in zip(switches, before[3]):
+            switch(on)
 
 
 PHASE = """

@@ -18,7 +18,7 @@ import titanlite.models
 from titanlite.errors import ConfigError
 
 
-def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], Any]]:
+def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[Any], Any]]:
     return []
 
 
@@ -50,9 +50,11 @@ class ModelSpec:
     """Top-level modules that run before the blocks (kept by the first pipeline stage only)."""
     post: tuple[str, ...] = ("norm", "output")
     """Top-level modules that run after the blocks (kept by the last pipeline stage only)."""
-    post_step_hooks: Callable[[list[nn.Module], Any], list[Callable[[], Any]]] = _no_hooks
+    post_step_hooks: Callable[[list[nn.Module], Any], list[Callable[[Any], Any]]] = _no_hooks
     """(model parts, titanlite.parallel.mesh.Meshes) -> callables run after every optimizer step
-    (e.g. a router-bias update); each may return {name: scalar tensor} to log on logged steps."""
+    (e.g. a router-bias update) with the step's device flag `skipped` (1.0 when its update was
+    skipped as non-finite; the host may not have read it yet, so a hook that changes state masks
+    its change with it on the device); each may return {name: scalar tensor} to log on logged steps."""
     extra_losses: tuple[str, ...] = ()
     """Names of the extra loss terms the model adds with titanlite.loss.add_extra_loss; each is
     logged like the loss (its global sum over the global target count)."""
@@ -79,8 +81,8 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
     if seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len {seq_len} exceeds {spec.name} {flavor}'s "
                           f"max_seq_len {args.max_seq_len}")
-    # the RoPE table only needs to cover the training sequence
-    updates = {"max_seq_len": seq_len}
+    # the RoPE table only needs to cover the training sequence; an export keeps the model's own
+    updates = {"max_seq_len": seq_len, "context_len": args.context_len or args.max_seq_len}
     if vocab_size:
         updates["vocab_size"] = vocab_size
     if moe is not None and hasattr(args, "moe"):

@@ -30,6 +30,7 @@ from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader
 from titanlite.errors import ConfigError, RunError
+from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.loss import build_loss_fn
@@ -90,11 +91,12 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
                                  loss_fn, opts, cp_group, autocast, device, shapes, inject)
 
 
-def run_hooks(hooks: list) -> dict[str, torch.Tensor]:
-    """Post-step hooks; each may return scalars to log (device tensors, read only when logged)."""
+def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Post-step hooks, told on the device whether the step was skipped; each may return scalars
+    to log (device tensors, read only when logged)."""
     scalars = {}
     for hook in hooks:
-        scalars |= hook() or {}
+        scalars |= hook(skipped) or {}
     return scalars
 
 
@@ -102,14 +104,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     """Returns the run's last line: how it stopped after a signal, or None."""
     t = cfg.training
     device = pick_device(t.device)
+    if t.deterministic:  # before the process group: NCCL's set-up may already run CUDA work
+        set_determinism(device)
     enable_flight_recorder(cfg.job.dump_folder)
     init_process_group(device, cfg.comm.init_timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(t.seed)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True)
     dims = plan.dims
-    meshes = dims.build_meshes(device.type)
+    meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
     dtype = param_dtype(t.mixed_precision_param, device)
     opts = parallelize_options(cfg, dims, dtype)
     parts = build_parts(plan, meshes, opts, device, t.seed)
@@ -125,25 +127,28 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
                              global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
-                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied)
+                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
+                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
-    if rank == 0:
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
-              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
-              f"{device.type}, {dtype}", flush=True)
-        if warmup_note(cfg.lr_scheduler, t.steps):
-            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     stop_line = None
-    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step)
+    guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
+                  set_comm_timeout=meshes.groups.set_timeout)
     train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
+    # after build_step, which may make the last process groups (a tied pipeline's pairs)
+    if rank == 0:
+        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
+              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
+              f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
+        if warmup_note(cfg.lr_scheduler, t.steps):
+            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
@@ -182,7 +187,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             optimizers.step(bad if fused_optimizer else None)
         optimizers.step_schedule()
         optimizers.zero_grad()
-        scalars = run_hooks(hooks)
+        # bad: the device's verdict, also where the host reads it a step late
+        scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         guard.phase("checkpoint save")
@@ -221,6 +227,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
 
     gc_control.stop(t.gc_freq)
+    guard.phase("checkpoint save")  # the last save may still be writing
     ckpt.close()
     guard.close()
     metrics.close()

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,8 @@ class CheckpointManager:
 
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, parts: list[nn.Module], optimizers: Optimizers,
                  loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
-                 args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = ()) -> None:
+                 args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = (),
+                 writer_group: Callable[[], dist.ProcessGroup] = lambda: dist.new_group(backend="gloo")) -> None:
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
@@ -183,7 +185,7 @@ class CheckpointManager:
         self.pg = self.stager = None
         if cfg.enable and cfg.async_mode == "async":
             # the writer thread runs its own collectives; they must not interleave with training's
-            self.pg = dist.new_group(backend="gloo")
+            self.pg = writer_group()
             cuda = torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=True, use_non_blocking_copy=cuda))

@@ -107,7 +107,7 @@ def decoder_config(args: Any, dtype: torch.dtype, architecture: str, model_type:
             "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
             "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
             "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta, "rope_scaling": rope_scaling, "max_position_embeddings": args.max_seq_len,
+            "rope_theta": args.rope_theta, "rope_scaling": rope_scaling, "max_position_embeddings": args.context_len or args.max_seq_len,
             "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
             **extra, "torch_dtype": str(dtype).removeprefix("torch.")}
 

@@ -52,7 +52,9 @@ class Training:
     seed: int = 0
     """Seed for weight init and dropout-free randomness."""
     deterministic: bool = False
-    """Use deterministic algorithms (slower)."""
+    """Use deterministic algorithms (slower); on CUDA also cuBLAS's fixed workspace, cuDNN without
+    autotuning and the math attention kernel (titanlite/runtime/determinism.py; not run on a GPU
+    by the test suite)."""
     mixed_precision_param: str = "auto"
     """Parameter dtype in forward/backward: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
     mixed_precision_reduce: str = "float32"
@@ -275,12 +277,16 @@ class MoE:
 
 @dataclass(frozen=True)
 class Comm:
+    """Time limits by phase (as TorchTitan's): each bounds the phase on a watchdog thread and,
+    5 s later, every collective issued in it (the process groups' timeout follows the phase)."""
+
     init_timeout_s: int = 300
-    """Timeout for process-group creation and the first collectives."""
-    train_timeout_s: int = 300
+    """Seconds for set-up (process groups, model, first load) and the first step, which also
+    compiles and warms up."""
+    train_timeout_s: int = 100
     """Seconds the compute of any training step after the first may take (collectives
     included), and its logging; past it, every rank writes its stacks to <dump_folder>/hang/
-    and exits non-zero."""
+    and exits non-zero. At most comm.init_timeout_s."""
     save_timeout_s: int = 600
     """Seconds a checkpoint save may take (the same hang report past it)."""
     validation_timeout_s: int = 600

@@ -192,6 +192,9 @@ def check_config(cfg: JobConfig) -> None:
                      ("profiling.num_steps", cfg.profiling.num_steps)]:
         if val < 1:
             raise ConfigError(f"{key} must be >= 1, got {val}")
+    if cfg.comm.train_timeout_s > cfg.comm.init_timeout_s:
+        raise ConfigError(f"comm.train_timeout_s {cfg.comm.train_timeout_s} is longer than comm.init_timeout_s "
+                          f"{cfg.comm.init_timeout_s} (set-up and the first step); raise comm.init_timeout_s too")
     if p.data_parallel_shard_degree < 1 and p.data_parallel_shard_degree != -1:
         raise ConfigError("parallelism.data_parallel_shard_degree must be >= 1 or -1 (the rest of "
                           f"the world), got {p.data_parallel_shard_degree}")

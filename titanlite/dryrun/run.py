@@ -194,7 +194,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
                     torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, stats[0].sqrt(), foreach=True)
             optimizers.step(None)
             for hook in hooks:
-                hook()
+                hook(torch.zeros_like(stats[0]))  # the guard's skip flag, a device scalar
         for h in handles:
             h.remove()
         watch.close()

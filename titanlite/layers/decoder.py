@@ -30,6 +30,11 @@ class DecoderArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
+    """Positions the RoPE tables cover: the model's context length, until training shrinks it to
+    training.seq_len (titanlite.model_spec.model_args)."""
+    context_len: int = 0
+    """The model's own context length (Hugging Face's max_position_embeddings) once max_seq_len
+    was shrunk for training; 0: max_seq_len is it."""
     tie_embeddings: bool = False
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -207,10 +206,11 @@ class MoE(nn.Module):
         # scatter_add rather than bincount, which reads the largest id on the host (a sync) on CUDA
         counts = torch.zeros(self.args.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat_ids, torch.ones_like(flat_ids))
-        with torch.no_grad():
-            # Recomputation under activation checkpointing counts a layer twice; balancing and
-            # the logged max/mean only use ratios between one layer's counts, which that keeps.
-            self.tokens_per_expert += counts
+        if self.training:  # validation (eval mode) must not steer the next bias update
+            with torch.no_grad():
+                # Recomputation under activation checkpointing counts a layer twice; balancing and
+                # the logged max/mean only use ratios between one layer's counts, which that keeps.
+                self.tokens_per_expert += counts
         # group the T*k (token, slot) pairs by expert; stable, so the order is layout independent
         order = torch.argsort(flat_ids, stable=True)
         routed = self.dispatch(self.experts, x[order // self.args.top_k], counts)
@@ -243,19 +243,23 @@ def moe_layers(parts: list[nn.Module]) -> list[MoE]:
 
 @torch.no_grad()
 def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None, stages: dist.ProcessGroup | None = None,
-                       device: torch.device | None = None) -> dict[str, torch.Tensor]:
+                       device: torch.device | None = None, skipped: torch.Tensor | None = None
+                       ) -> dict[str, torch.Tensor]:
     """After an optimizer step: sum each layer's loads over the data-parallel batch, move the
     selection bias by rate x sign(mean load - load), reset the counts. Every rank computes the
-    same update from the same summed loads, so biases agree on every layout. Returns the step's
-    load statistics over every layer (`stages`: the pipeline ranks holding the other layers;
-    device tensors, no host sync) for the metrics."""
+    same update from the same summed loads, so biases agree on every layout. `skipped` (a device
+    flag, 1.0 when the step's update was skipped as non-finite) keeps the biases where they are,
+    without the host reading it. Returns the step's load statistics over every layer (`stages`:
+    the pipeline ranks holding the other layers; device tensors, no host sync) for the metrics."""
     loads = torch.stack([m.tokens_per_expert for m in moes]) if moes else torch.zeros(0, 1, device=device)
     if group is not None:
         dist.all_reduce(loads, group=group)
     mean = loads.mean(-1, keepdim=True)
+    # the loads of a skipped step come from non-finite scores; x 1.0 leaves a kept step's bit for bit
+    keep = 1.0 if skipped is None else 1.0 - skipped
     for m, load, avg in zip(moes, loads, mean):
         if m.args.bias_update_rate:
-            m.router.expert_bias += m.args.bias_update_rate * torch.sign(avg - load)
+            m.router.expert_bias += m.args.bias_update_rate * torch.sign(avg - load) * keep
         m.tokens_per_expert.zero_()
     ratio = loads.max(-1).values / mean.squeeze(-1).clamp(min=1)
     bias_sq = sum((m.router.expert_bias.square().sum() for m in moes), loads.new_zeros(()))
@@ -271,10 +275,12 @@ def update_router_bias(moes: list[MoE], group: dist.ProcessGroup | None, stages:
             "moe_router_bias_norm": sums[2].sqrt()}
 
 
-def post_step_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], dict[str, torch.Tensor]]]:
+def post_step_hooks(parts: list[nn.Module], meshes: Any
+                    ) -> list[Callable[[torch.Tensor], dict[str, torch.Tensor]]]:
     """ModelSpec.post_step_hooks for any family built on this layer: after each optimizer step,
     sum the loads over the ranks routing different tokens (data x context x tensor parallel),
-    move the router biases, and hand back the load statistics over all pipeline stages to log."""
+    move the router biases (unless the step was skipped), and hand back the load statistics over
+    all pipeline stages to log."""
     moes = moe_layers(parts)
     dims = meshes.dims
     group = meshes.routed["dp_cp_tp"].get_group() if dims.dp * dims.cp * dims.tp > 1 else None
@@ -283,4 +289,4 @@ def post_step_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[], di
         return []
     # every stage joins the statistics, even one whose blocks are all dense
     device = next(p.device for part in parts for p in part.parameters())
-    return [partial(update_router_bias, moes, group, stages, device)]
+    return [lambda skipped: update_router_bias(moes, group, stages, device, skipped)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -36,12 +35,16 @@ def preflight(cfg: Float8, device: str, tp: int) -> None:
 
 
 def _fits(module: nn.Module, fqn: str) -> bool:
-    # float8 matmuls need both Linear dims divisible by 16
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    # float8 matmuls need both Linear dims divisible by 16. A MoE router's gate stays in high
+    # precision (as TorchTitan keeps it): its scores pick the experts, and a float8 rounding
+    # flips the top-k of near-tied tokens.
+    return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and not fqn.endswith("router.gate"))
 
 
 def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
-    """Swap each block's nn.Linear for torchao's Float8Linear; embeddings and output stay as they are."""
+    """Swap each block's nn.Linear for torchao's Float8Linear, router gates apart; embeddings and
+    output stay as they are."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.recipe == "tensorwise":
@@ -52,11 +55,13 @@ def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
         blocks[name] = convert_to_float8_training(blocks[name], config=f8, module_filter_fn=_fits)
 
 
-def post_step_hooks(cfg: Float8, fsdp: bool, parts: list[nn.Module]) -> list[Callable[[], None]]:
+def post_step_hooks(cfg: Float8, fsdp: bool, parts: list[nn.Module]) -> list[Callable[[torch.Tensor], None]]:
     """With FSDP's float8 all-gather: after each optimizer step, one all-reduce for every float8
-    weight scale of a part, instead of one per weight in the next forward."""
+    weight scale of a part, instead of one per weight in the next forward. A skipped step left
+    the weights as they were, so their scales are recomputed to the values already in use: the
+    hook needs no skip flag (which the host may not have read yet)."""
     if not (cfg.enable and fsdp and cfg.recipe == "tensorwise" and cfg.enable_fsdp_float8_all_gather):
         return []
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    return [partial(precompute_float8_dynamic_scale_for_fsdp, part) for part in parts]
+    return [lambda skipped, part=part: precompute_float8_dynamic_scale_for_fsdp(part) for part in parts]

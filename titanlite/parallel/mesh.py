@@ -1,14 +1,21 @@
-"""Process group, device and the one DeviceMesh over [pp, dp_replicate, dp_shard, cp, tp], with its named views."""
+"""Process group, device and the one DeviceMesh over [pp, dp_replicate, dp_shard, cp, tp], with its named views.
+
+The views name the same ranks many times over (dp_shard_cp, dp, dp_cp and efsdp are one set of
+ranks when cp = tp = ep = 1; every size-1 dimension is the rank alone). `Groups` makes one
+process group per distinct set of ranks, and each view is assembled from those groups with the
+public `DeviceMesh.from_group`, so a rank holds a handful of groups rather than one per view
+dimension (docs/benchmarks.md has the counts), and their timeouts can follow the step's phase.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.config.job import Parallelism
 from titanlite.errors import ConfigError
@@ -59,31 +66,97 @@ class ParallelDims:
     def fsdp(self) -> bool:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
-    def build_meshes(self, device_type: str) -> "Meshes":
+    def build_meshes(self, device_type: str, timeout_s: float | None = None) -> "Meshes":
+        """The named views, from process groups made here (`timeout_s`: theirs at creation; None:
+        torch's default for new groups)."""
         p = self.pp
-        world = init_device_mesh(device_type, (p * self.dp_replicate * self.dp_shard * self.cp * self.tp,),
-                                 mesh_dim_names=("world",))
-        # Views of one world mesh in row-major [pp, dp_replicate, dp_shard, cp, tp] order, so a
-        # rank has the same coordinates in each and DTensors from any of them compose. Pipeline
+        groups = Groups(None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+
+        def view(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+            return groups.mesh(device_type, shape, names)
+
+        # Views of one world in row-major [pp, dp_replicate, dp_shard, cp, tp] order, so a rank
+        # has the same coordinates in each and DTensors from any of them compose. Pipeline
         # stages are outermost: every other view is taken within this rank's stage.
         return Meshes(
             dims=self,
-            dense=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp, self.tp),
-                                   ("pp", "dp_replicate", "dp_shard_cp", "tp")),
-            batch=world._unflatten(0, (p, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp")),
-            loss=world._unflatten(0, (p * self.dp * self.cp, self.tp), ("pp_dp_cp", "tp")),
-            tokens=world._unflatten(0, (p, self.dp * self.cp, self.tp), ("pp", "dp_cp", "tp")),
-            routed=world._unflatten(0, (p, self.dp * self.cp * self.tp), ("pp", "dp_cp_tp")),
+            dense=view((p, self.dp_replicate, self.dp_shard * self.cp, self.tp), ("pp", "dp_replicate", "dp_shard_cp", "tp")),
+            batch=view((p, self.dp, self.cp, self.tp), ("pp", "dp", "cp", "tp")),
+            loss=view((p * self.dp * self.cp, self.tp), ("pp_dp_cp", "tp")),
+            tokens=view((p, self.dp * self.cp, self.tp), ("pp", "dp_cp", "tp")),
+            routed=view((p, self.dp * self.cp * self.tp), ("pp", "dp_cp_tp")),
             # ep innermost within dp_shard x cp x tp: an expert-parallel group is ep neighbouring
             # ranks, whole tp groups (TorchTitan's layout for experts not split over tp)
-            experts=world._unflatten(0, (p, self.dp_replicate, self.dp_shard * self.cp * self.tp // self.ep, self.ep),
-                                     ("pp", "dp_replicate", "efsdp", "ep")),
+            experts=view((p, self.dp_replicate, self.dp_shard * self.cp * self.tp // self.ep, self.ep),
+                         ("pp", "dp_replicate", "efsdp", "ep")),
+            groups=groups,
         )
+
+
+Partition = tuple[tuple[int, ...], ...]
+"""Disjoint sets of ranks, each in increasing order (a view dimension's cover the world)."""
+
+
+@dataclass
+class Groups:
+    """This rank's process groups: one per partition of the world it was asked for (the group
+    holding this rank), made once, in the same order on every rank; the whole world is the
+    default group. Counted for the run's first log line; `set_timeout` moves them all."""
+
+    timeout: datetime.timedelta | None
+    """At creation (the set-up timeout); None: torch's default."""
+    made: dict[Partition, dist.ProcessGroup | None] = field(default_factory=dict)
+    apart: list[dist.ProcessGroup] = field(default_factory=list)
+    """Groups of their own whose timeout stays (an async writer's, which runs beside the steps)."""
+
+    def of(self, partition: Partition) -> dist.ProcessGroup | None:
+        """The group of this rank's part of `partition` (None if no part holds it). Every rank
+        must ask for the same partitions in the same order (group creation is collective)."""
+        if partition not in self.made:
+            if len(partition) == 1:
+                self.made[partition] = dist.group.WORLD
+            else:
+                mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in partition], timeout=self.timeout)
+                self.made[partition] = mine
+        return self.made[partition]
+
+    def mesh(self, device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """A view of the world as `shape` (row-major over global ranks), each dimension the group
+        of the ranks that differ only in it."""
+        ranks = torch.arange(dist.get_world_size()).view(shape)
+        dims = [self.of(tuple(sorted(tuple(r) for r in ranks.movedim(d, -1).reshape(-1, n).tolist())))
+                for d, n in enumerate(shape)]
+        return DeviceMesh.from_group(dims, device_type, mesh=ranks, mesh_dim_names=names)
+
+    def own(self, backend: str, timeout_s: float) -> dist.ProcessGroup:
+        """A whole-world group of its own, for collectives that must not interleave with the
+        steps' (they run in another thread); its timeout stays `timeout_s`."""
+        group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        self.apart.append(group)
+        return group
+
+    @property
+    def count(self) -> int:
+        """Process groups this rank holds, the default one included."""
+        return len({id(g) for g in (dist.group.WORLD, *self.made.values(), *self.apart) if g is not None})
+
+    def set_timeout(self, seconds: float) -> None:
+        """Every group's timeout for the collectives issued from now on (the default group
+        included), except the groups made apart."""
+        timeout = datetime.timedelta(seconds=seconds)
+        for group in {id(g): g for g in (dist.group.WORLD, *self.made.values()) if g is not None}.values():
+            _set_group_timeout(timeout, group)
+
+
+def _set_group_timeout(timeout: datetime.timedelta, group: dist.ProcessGroup) -> None:
+    # public as dist.set_timeout from torch 2.15; torch 2.13 and 2.14 spell it privately
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    setter(timeout, group)
 
 
 @dataclass(frozen=True)
 class Meshes:
-    """Named sub-meshes of the world mesh [pp, dp_replicate, dp_shard, cp, tp]."""
+    """Named views of the world as [pp, dp_replicate, dp_shard, cp, tp] (row-major over global ranks)."""
 
     dims: ParallelDims
     dense: DeviceMesh
@@ -100,6 +173,8 @@ class Meshes:
     experts: DeviceMesh
     """[pp, dp_replicate, efsdp, ep]: experts split over ep (ep neighbouring ranks of dp_shard x cp x
     tp), each part FSDP-sharded over efsdp = dp_shard x cp x tp / ep and replicated over dp_replicate."""
+    groups: Groups
+    """The process groups behind every view, one per distinct set of ranks."""
 
     @property
     def fsdp(self) -> DeviceMesh:

@@ -253,15 +253,12 @@ class PipelineStep:
         first = self.parts[ids.index(0)] if 0 in ids else None
         self.mirrors = tuple(p for copies in self.copies for p in copies
                              if first is None or all(p is not q for q in first.parameters()))
-        # first and last stage on different ranks (loop placement): one group per pair, made by
-        # every rank in the same order; under a V both sit on pp rank 0 and add up locally
+        # first and last stage on different ranks (loop placement): one group per pair (with two
+        # stages, the pp groups); under a V both sit on pp rank 0 and add up locally
         self.tie_group = None
         if self.plan.tied and self.plan.style == "loop":
             per = dist.get_world_size() // self.meshes.dims.pp
-            for c in range(per):
-                group = dist.new_group([c, (self.meshes.dims.pp - 1) * per + c])
-                if dist.get_rank() % per == c:
-                    self.tie_group = group
+            self.tie_group = self.meshes.groups.of(tuple((c, (self.meshes.dims.pp - 1) * per + c) for c in range(per)))
 
     @torch.no_grad()
     def _sum_tied_grads(self) -> None:

@@ -12,12 +12,17 @@ from a copy started when it was made. Meanwhile a non-finite step is kept out of
 weights on the device, by the fused optimizer's `found_inf`; the foreach optimizer has no
 such input, so with it every verdict is read at once.
 
-A watchdog thread bounds each step: past its deadline the rank writes the stacks of all
-its threads (and the collective flight recorder) to <dump_folder>/hang/ and exits,
-because a rank blocked in a collective cannot raise.
+A watchdog thread bounds each phase of a step: past its deadline the rank writes the stacks
+of all its threads (and the collective flight recorder) to <dump_folder>/hang/ and exits,
+because a rank blocked in a collective cannot raise. The process groups' own timeout follows
+the same phases (set-up and the first step long, steady steps short, saves and validation their
+own), a little past the watchdog's deadline: the backend (NCCL's watchdog, a gloo timeout) is
+the backstop and never ends a save or a validation that is within its deadline.
 
 Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
-NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank.
+NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank,
+`slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
+comm.init_timeout_s (a save slower than set-up may take).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,14 +52,17 @@ HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 HANG_EXIT_GRACE_S = 5.0
 
 
+FAULT_KINDS = ("nan", "hang", "kill", "slowsave")
+
+
 def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
     """TITANLITE_FAULTS text -> {(kind, step, rank or None for every rank)}."""
     faults = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, where = item.partition("@")
         step, _, rank = where.partition(":")
-        if kind not in ("nan", "hang", "kill") or not step.isdigit() or (rank and not rank.isdigit()):
-            raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected nan|hang|kill@STEP[:RANK]")
+        if kind not in FAULT_KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected {'|'.join(FAULT_KINDS)}@STEP[:RANK]")
         faults.add((kind, int(step), int(rank) if rank else None))
     return faults
 
@@ -96,8 +105,12 @@ class Guard:
     """Signals, the step watchdog and the per-step agreement for one rank."""
 
     def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None) -> None:
+        """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
+        (titanlite.parallel.mesh.Groups.set_timeout)."""
         self.rank, self.comm, self.training = rank, comm, training
+        self.set_comm_timeout = set_comm_timeout
+        self._comm_key: str | None = None
         self.shutdown_timeout_s = shutdown_timeout_s
         self.hang_folder = Path(dump_folder) / "hang"
         self.faults = parse_faults(os.environ.get("TITANLITE_FAULTS", ""))
@@ -156,8 +169,14 @@ class Guard:
         if name == "compute" and self.step == self.first_step:
             key = "init_timeout_s"  # this process's first step also compiles and warms up
         self.arm(getattr(self.comm, key), f"comm.{key}")
+        if key != self._comm_key:
+            # the watchdog first: its report names the phase and holds every thread's stack
+            self.set_comm_timeout(getattr(self.comm, key) + HANG_EXIT_GRACE_S)
+            self._comm_key = key
         with self._lock:
             self._phase = name
+        if name == "checkpoint save" and self._injected("slowsave"):
+            time.sleep(self.comm.init_timeout_s + 2)
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
@@ -184,15 +203,16 @@ class Guard:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.step = step
         self.phase("compute")
-        if ("kill", step, self.rank) in self.faults or ("kill", step, None) in self.faults:
+        if self._injected("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
-        if ("hang", step, self.rank) in self.faults or ("hang", step, None) in self.faults:
+        if self._injected("hang"):
             threading.Event().wait()
 
+    def _injected(self, kind: str) -> bool:
+        return (kind, self.step, self.rank) in self.faults or (kind, self.step, None) in self.faults
+
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if ("nan", self.step, self.rank) in self.faults or ("nan", self.step, None) in self.faults:
-            return loss * float("nan")
-        return loss
+        return loss * float("nan") if self._injected("nan") else loss
 
     def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One all-reduce over the world. Returns the global gradient norm and a device flag,
