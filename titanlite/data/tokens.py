@@ -9,12 +9,13 @@ A token folder is a corpus tokenized once (`python -m titanlite.tools.tokenize`)
                          token and document counts, each shard's token count, the source; written
                          last and atomically, so a folder without it is an unfinished one
 
-Opening one maps the files (np.memmap) and reads nothing else, so a rank's memory and start-up
-do not depend on the corpus size.
+Opening one reads the index and maps doc_starts (np.memmap); samples are read by offset, so
+a rank's memory and start-up do not depend on the corpus size.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,12 +40,15 @@ class TokenStream:
 
 
 class TokenShards:
-    """Several memory-mapped shards read as one array: len(), slicing (a view that reads
-    nothing) and np.asarray (reads just the view's tokens)."""
+    """A token folder's shards read as one array: len(), slicing (a view that reads nothing)
+    and np.asarray (reads the view's tokens). Reads are pread calls, not a memory map, so the
+    page cache they go through never counts in the process's resident memory however much of
+    the corpus training has touched."""
 
-    def __init__(self, shards: list[np.ndarray], start: int = 0, stop: int | None = None) -> None:
-        self.shards, self.dtype = shards, shards[0].dtype
-        self.ends = np.cumsum([len(s) for s in shards])
+    def __init__(self, paths: list[str], counts: list[int], dtype: np.dtype, start: int = 0,
+                 stop: int | None = None) -> None:
+        self.paths, self.counts, self.dtype = paths, counts, dtype
+        self.ends = np.cumsum(counts)
         self.start, self.stop = start, int(self.ends[-1]) if stop is None else stop
 
     def __len__(self) -> int:
@@ -54,17 +58,26 @@ class TokenShards:
         start, stop, step = key.indices(len(self))
         if step != 1:
             raise IndexError("TokenShards takes contiguous slices only")
-        return TokenShards(self.shards, self.start + start, self.start + max(start, stop))
+        return TokenShards(self.paths, self.counts, self.dtype, self.start + start,
+                           self.start + max(start, stop))
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
-        pieces, first = [], int(np.searchsorted(self.ends, self.start, side="right"))
-        for k in range(first, len(self.shards)):
-            base = int(self.ends[k]) - len(self.shards[k])
+        pieces, size = [], self.dtype.itemsize
+        for k in range(int(np.searchsorted(self.ends, self.start, side="right")), len(self.paths)):
+            base = int(self.ends[k]) - self.counts[k]
             if base >= self.stop:
                 break
-            pieces.append(self.shards[k][max(self.start - base, 0):self.stop - base])
+            lo, hi = max(self.start - base, 0), min(self.stop - base, self.counts[k])
+            pieces.append(np.frombuffer(os.pread(_fd(self.paths[k]), (hi - lo) * size, lo * size), self.dtype))
         out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
-        return out.astype(dtype or self.dtype, copy=False)
+        return out.astype(dtype or self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fd(path: str) -> int:
+    """One descriptor per shard for the process's life; pread keeps no offset, so forked
+    loader workers share it safely."""
+    return os.open(path, os.O_RDONLY)
 
 
 def encode_documents(texts: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +182,9 @@ def open_token_folder(path: str, tokenizer: Tokenizer) -> TokenStream:
         raise ConfigError(f"data.path: '{path}' was tokenized with data.tokenizer '{index['tokenizer']}', "
                           "which is not this run's tokenizer; set data.tokenizer to that one or "
                           "tokenize the source again with this one")
-    dtype = np.dtype(index["dtype"]).newbyteorder("<")
-    shards = [np.memmap(folder / s["file"], dtype=dtype, mode="r") for s in index["shards"] if s["tokens"]]
+    shards = [s for s in index["shards"] if s["tokens"]]
+    tokens = TokenShards([str(folder / s["file"]) for s in shards], [s["tokens"] for s in shards],
+                         np.dtype(index["dtype"]).newbyteorder("<"))
+    # binary searches touch a few of its pages per sample
     doc_starts = np.memmap(folder / DOC_STARTS, dtype="<i8", mode="r")
-    return TokenStream(shards[0] if len(shards) == 1 else TokenShards(shards), doc_starts)
+    return TokenStream(tokens, doc_starts)
