@@ -231,6 +231,7 @@ class CheckpointManager:
         meta = read_metadata(path)
         check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
                      saved_shapes(meta, "model."), str(path))
+        self.data.check_saved(meta.state_dict_metadata)
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state

@@ -254,7 +254,7 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
     if cfg.streaming:
         from titanlite.data.streaming import build_streaming_loader
 
-        return build_streaming_loader(cfg, tokenizer, seq_len, G, L, dp_rank, D)
+        return build_streaming_loader(cfg, tokenizer, seq_len, L, dp_rank, D)
     dataset = build_dataset(cfg, tokenizer, seq_len, split)
     if isinstance(dataset, TokenSamples) and dataset.num_samples < G:
         raise ConfigError(f"data: only {dataset.num_samples} samples of seq_len {seq_len} in the "

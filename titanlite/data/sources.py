@@ -193,8 +193,10 @@ def read_documents(path: str, field: str, split: str) -> list[str]:
 
 
 def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool, epoch: int,
-                     buffer_size: int) -> Iterator[str]:
-    """One pass over a source without reading it whole; shuffled within a buffer by (seed, epoch)."""
+                     buffer_size: int, part: int = 0, parts: int = 1) -> Iterator[str]:
+    """One pass over part `part` of `parts` of a source without reading it whole (whole files or
+    shards when `parts` divides their count, else every parts-th document); shuffled within a
+    buffer by (seed, epoch)."""
     if not path:
         raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
     if is_token_folder(path):
@@ -204,11 +206,15 @@ def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool
         raise ConfigError(f"data.path: '{path}' does not exist")
     ds = _hf_dataset(path, split, streaming=True)
     _check_column(ds, path, field)
+    if parts > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        ds = split_dataset_by_node(ds, rank=part, world_size=parts)
     if shuffle:
         ds = ds.shuffle(seed=seed, buffer_size=buffer_size)
         ds.set_epoch(epoch)
-    # .iter() reads every shard even inside a DataLoader worker (plain iteration would split
-    # shards across workers, and every worker here needs the whole stream)
+    # .iter() reads every shard of this part even inside a DataLoader worker (plain iteration
+    # would split them again across the workers)
     for n, batch in enumerate(ds.iter(batch_size=256)):
         texts = batch.get(field)
         bad = texts is None or any(t is not None and not isinstance(t, str) for t in texts)
