@@ -68,9 +68,9 @@ class StreamingSamples(IterableDataset):
                 yield epoch, n, ids
                 n += 1
             if n == 0:
-                raise ConfigError(f"data.path: {source_name(self.cfg.path)} gave no document with text to "
-                                  f"part {part} of {self.parts} (dp degree x loader workers); use more "
-                                  "documents or files, fewer ranks or fewer data.num_workers")
+                shared = (f" for part {part} of {self.parts} (dp degree x loader workers); use more documents "
+                          "or files, fewer ranks or fewer data.num_workers") if self.parts > 1 else ""
+                raise ConfigError(f"data.path: no documents with text in {source_name(self.cfg.path)}{shared}")
             epoch, doc = epoch + 1, 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
