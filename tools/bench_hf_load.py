@@ -70,7 +70,7 @@ def run(kind: str, ranks: int, folder: Path) -> list[tuple[float, float]]:
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", **os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           __file__, "--worker", *args]
+           "-m", __spec__.name, "--worker", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     files = [dump / f"rss-rank{r}.json" for r in range(ranks)]
     if not all(f.exists() for f in files):

@@ -35,7 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.checkpoint.hf import check_hf_config, read_safetensors
+from titanlite.checkpoint.hf import HFAdapter, block_groups, check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
                                         TrainState)
@@ -124,9 +124,11 @@ def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
 
 
 def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into a model whose parameters may be sharded DTensors."""
+    """Copy full tensors into those of a model's parameters they name, which may be sharded DTensors."""
     with torch.no_grad():
         for key, param in model.state_dict().items():
+            if key not in full:
+                continue  # loaded with another group of tensors
             src = full[key].to(param.dtype)
             if isinstance(param, DTensor):
                 # every rank holds the full tensor, so each keeps its slice without communication
@@ -257,13 +259,26 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
-            full = adapter.from_hf(read_safetensors(path), self.args)
-            check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
-                         {k: v.shape for k, v in full.items()}, str(path))
-            for part in self.parts:
-                _assign_full(part, full)
+            self._load_hf(path, adapter)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
+
+    def _load_hf(self, path: Path, adapter: HFAdapter) -> None:
+        """One decoder block at a time: a rank holds its own shards and one block's full tensors,
+        never the whole model, and reads no block its parts do not have (pipeline stages)."""
+        headers = read_safetensors(path, meta=True)
+        check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
+                     {k: v.shape for k, v in adapter.from_hf(headers, self.args).items()}, str(path))
+        mine = {k for part in self.parts for k in part.state_dict()}
+        unread = adapter.from_hf({}, self.args)  # what needs no weight (a MoE's zero router bias)
+        for part in self.parts:
+            _assign_full(part, unread)
+        for names in block_groups(headers):
+            if not (adapter.from_hf({k: headers[k] for k in names}, self.args).keys() - unread.keys()) & mine:
+                continue
+            full = adapter.from_hf(read_safetensors(path, set(names)), self.args)
+            for part in self.parts:
+                _assign_full(part, {k: v for k, v in full.items() if k not in unread})
 
     # -- saving --
 
