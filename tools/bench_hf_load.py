@@ -5,7 +5,7 @@
 Writes two transformers folders from freshly initialized models (qwen3_moe bench100m, a MoE
 of 107.5M parameters, and its dense twin bench100m_dense, fp32), then starts the real
 trainer on --ranks gloo ranks for one step: the MoE folder under FSDP over every rank, the
-dense one under TP 2 x FSDP. Each rank records its peak RSS just before and just after the
+MoE folder also under TP 2 x EP 2 x FSDP, the dense one under TP 2 x FSDP. Each rank records its peak RSS just before and just after the
 initial load; the difference is what the load added to the rank's peak. Prints a Markdown table.
 """
 
@@ -22,6 +22,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"moe": ("qwen3_moe", "bench100m"), "dense": ("qwen3_moe", "bench100m_dense")}
+# (folder, layout); TP needs an expert-parallel degree to match it, even in the dense twin (MoE args)
+TP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
+RUNS = [("moe", []), ("moe", TP), ("dense", TP)]
 
 
 def worker(argv: list[str]) -> None:
@@ -59,10 +62,9 @@ def write_folder(kind: str, folder: Path) -> int:
     return sum(v.numel() for k, v in sd.items() if not k.endswith("expert_bias"))
 
 
-def run(kind: str, ranks: int, folder: Path) -> list[tuple[float, float]]:
+def run(kind: str, layout: list[str], ranks: int, folder: Path) -> list[tuple[float, float]]:
     dump = Path(tempfile.mkdtemp(prefix=f"bench-hf-{kind}-"))
     name, flavor = MODELS[kind]
-    layout = ["--parallelism.tensor_parallel_degree", "2"] if kind == "dense" else []
     args = ["--model.name", name, "--model.flavor", flavor, *layout,
             "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_format", "hf",
             "--training.seq_len", "64", "--training.local_batch_size", "1", "--training.steps", "1",
@@ -88,11 +90,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="titanlite-bench-hf-"))
     print("| folder | layout | parameters (fp32 size) | added to a rank's peak by the load, GiB (min / max over ranks) "
           "| peak after the load, GiB (max) |\n|---|---|---:|---:|---:|")
-    for kind in MODELS:
-        n = write_folder(kind, tmp / kind)
-        rss = run(kind, a.ranks, tmp / kind)
+    params = {kind: write_folder(kind, tmp / kind) for kind in MODELS}
+    for kind, tp in RUNS:
+        n, rss = params[kind], run(kind, tp, a.ranks, tmp / kind)
         added = [after - before for before, after in rss]
-        layout = f"TP 2 x FSDP {a.ranks // 2}" if kind == "dense" else f"FSDP {a.ranks}"
+        layout = (f"TP 2 x EP 2 x FSDP {a.ranks // 2}" if kind == "moe" else f"TP 2 x FSDP {a.ranks // 2}") \
+            if tp else f"FSDP {a.ranks}"
         print(f"| {' '.join(MODELS[kind])} | {layout} "
               f"| {n / 1e6:.1f}M ({n * 4 / 2**30:.2f} GiB) | {min(added):.2f} / {max(added):.2f} "
               f"| {max(after for _, after in rss):.2f} |", flush=True)

@@ -137,6 +137,26 @@ def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             param.copy_(src)
 
 
+def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any) -> None:
+    """A transformers folder into the parts (sharded or not), one decoder block at a time: a
+    rank holds its own shards and one block's full tensors, never the whole model, and reads no
+    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers."""
+    headers = read_safetensors(path, meta=True)
+    states = [part.state_dict() for part in parts]
+    check_shapes({k: v.shape for sd in states for k, v in sd.items()},
+                 {k: v.shape for k, v in adapter.from_hf(headers, args).items()}, str(path))
+    mine = {k for sd in states for k in sd}
+    unread = adapter.from_hf({}, args)  # what needs no weight (a MoE's zero router bias)
+    for part in parts:
+        _assign_full(part, unread)
+    for names in block_groups(headers):
+        if not (adapter.from_hf({k: headers[k] for k in names}, args).keys() - unread.keys()) & mine:
+            continue
+        full = adapter.from_hf(read_safetensors(path, set(names)), args)
+        for part in parts:
+            _assign_full(part, {k: v for k, v in full.items() if k not in unread})
+
+
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
     """Committed step folders, newest first, skipping (with a warning) any that cannot be read."""
     steps = []
@@ -259,26 +279,9 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
-            self._load_hf(path, adapter)
+            load_hf_weights(self.parts, path, adapter, self.args)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
-
-    def _load_hf(self, path: Path, adapter: HFAdapter) -> None:
-        """One decoder block at a time: a rank holds its own shards and one block's full tensors,
-        never the whole model, and reads no block its parts do not have (pipeline stages)."""
-        headers = read_safetensors(path, meta=True)
-        check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
-                     {k: v.shape for k, v in adapter.from_hf(headers, self.args).items()}, str(path))
-        mine = {k for part in self.parts for k in part.state_dict()}
-        unread = adapter.from_hf({}, self.args)  # what needs no weight (a MoE's zero router bias)
-        for part in self.parts:
-            _assign_full(part, unread)
-        for names in block_groups(headers):
-            if not (adapter.from_hf({k: headers[k] for k in names}, self.args).keys() - unread.keys()) & mine:
-                continue
-            full = adapter.from_hf(read_safetensors(path, set(names)), self.args)
-            for part in self.parts:
-                _assign_full(part, {k: v for k, v in full.items() if k not in unread})
 
     # -- saving --
 

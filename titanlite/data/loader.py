@@ -6,7 +6,8 @@ g % N (permuted per epoch when shuffling). Global batch b holds global samples
 [b*G, (b+1)*G); dp rank r takes rows [r*G/D, (r+1)*G/D) in micro-batches. The order of
 global batches thus depends only on the data config, never on the world size, and the
 only loader state is a global cursor. A mixture interleaves several such sources by a fixed
-per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py.
+per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py;
+token folders (a source tokenized once) are read by offset in tokens.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data.sources import is_token_folder, parse_mix, probe_source, read_documents, source_name
 from titanlite.data.tokenizer import Tokenizer
-from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder
+from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder, read_index
 
 MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
 
@@ -32,7 +33,7 @@ MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of abo
 @functools.lru_cache(maxsize=8)  # the train and val loaders share one tokenization pass
 def token_stream(path: str, field: str, tokenizer: Tokenizer, split: str = "train") -> TokenStream:
     """The whole corpus as one read-only token stream (both holdout splits); `split` names
-    the split of a Hugging Face data set. A token folder is mapped, not read."""
+    the split of a Hugging Face data set. A token folder is opened, not read or tokenized."""
     if is_token_folder(path):
         return open_token_folder(path, tokenizer)
     texts = [t for t in read_documents(path, field, split) if t]
@@ -47,7 +48,7 @@ def token_stream(path: str, field: str, tokenizer: Tokenizer, split: str = "trai
 def split_stream(stream: TokenStream, holdout_fraction: float, split: str) -> TokenStream:
     """Train is the head of the stream, val the last `holdout_fraction` of it. The cut snaps
     to the nearest document start unless that moves it by more than half the holdout.
-    Binary searches only, so a memory-mapped stream stays unread."""
+    Binary searches only, so a token folder's stream stays unread."""
     n, starts = len(stream.tokens), stream.doc_starts
     target = n - round(holdout_fraction * n)
     i = int(np.searchsorted(starts, target))  # starts[i - 1] < target <= starts[i]
@@ -231,10 +232,12 @@ def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "t
 
 def probe_data(data: Data, val: Validation) -> None:
     """Check every configured source (training, mixture, validation) before starting."""
-    for path in [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]:
-        probe_source(path, data.text_field, data.split)
-    if val.freq and val.path:
-        probe_source(val.path, data.text_field, val.split)
+    sources = [(p, data.split) for p in ([data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)])]
+    for path, split in sources + ([(val.path, val.split)] if val.freq and val.path else []):
+        if is_token_folder(path):
+            read_index(path)  # finished and whole; the tokenizer is checked where it is opened
+        else:
+            probe_source(path, data.text_field, split)
 
 
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,

@@ -271,11 +271,6 @@ def probe_source(path: str, field: str, split: str) -> None:
     if not path or path.startswith("hf:"):
         return
     p = Path(path)
-    if is_token_folder(path):
-        from titanlite.data.tokens import read_index  # numpy: not needed by the config check
-
-        read_index(path)
-        return
     if _is_hf_disk(p):
         _check_column(_hf_dataset(path, split, streaming=False), path, field)
         return
