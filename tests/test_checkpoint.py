@@ -209,8 +209,8 @@ def test_config_rejects_bad_checkpoint_fields():
 
 
 def test_streamed_run_resumes_exactly(tmp_path):
-    """data.streaming replays the stream up to the saved cursor: the resumed losses are the
-    uninterrupted run's, bit for bit."""
+    """data.streaming resumes each dp rank at its saved position in its share of the stream:
+    the resumed losses are the uninterrupted run's, bit for bit."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1)})
                               + "\n" for i in range(400)))

@@ -76,15 +76,86 @@ def stream_loader(path, *, G=8, L=2, D=1, rank=0, **cfg):
                             global_batch_size=G, local_batch_size=L, dp_rank=rank, dp_degree=D)
 
 
-def test_streaming_matches_map_style_packing(docs):
-    """Unshuffled, the streamed samples are the map-style samples (no epoch wrap yet)."""
+def part_rows(path: Path, part: int, parts: int, first: int, n: int) -> torch.Tensor:
+    """Samples first..first+n (seq_len 16 + 1 tokens) of a jsonl source's part `part` of
+    `parts` read whole: its every parts-th document, packed."""
+    sub = path.parent / f"{path.stem}-part{part}of{parts}.jsonl"
+    sub.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts_of(path)[part::parts]))
+    tokens = token_stream(str(sub), "text", BYTE).tokens.astype(np.int64)
+    return torch.from_numpy(np.stack([tokens[i * 16:i * 16 + 17] for i in range(first, first + n)]))
+
+
+def test_streaming_parts_pack_their_own_documents(docs):
+    """One part (1 rank, no workers) streams the map-style samples; with dp x workers = P parts,
+    part p = rank * workers + worker packs documents p, p+P, ... and a rank's micro-batches
+    take its workers' parts in turn."""
     ref = global_batches(docs, 4, G=8, L=8, shuffle=False, holdout_fraction=0.0)
-    for D, L in [(1, 8), (2, 2), (4, 1)]:
-        its = [iter(stream_loader(docs, G=8, L=L, D=D, rank=r, shuffle=False)) for r in range(D)]
-        for step in range(4):
-            rows = [next(it) for it in its for _ in range(8 // (L * D))]
-            got = torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], 1) for b in rows])
-            assert torch.equal(got, ref[step]), (D, L, step)
+    it = iter(stream_loader(docs, G=8, L=8, shuffle=False))
+    for step in range(4):
+        b = next(it)
+        assert torch.equal(torch.cat([b["input_ids"], b["labels"][:, -1:]], 1), ref[step]), step
+    for D, W in [(2, 0), (2, 2)]:
+        w = max(W, 1)
+        for r in range(D):
+            it = iter(stream_loader(docs, G=8, L=2, D=D, rank=r, shuffle=False, num_workers=W))
+            for m in range(4):
+                b = next(it)
+                expected = part_rows(docs, r * w + m % w, D * w, 2 * (m // w), 2)
+                assert torch.equal(torch.cat([b["input_ids"], b["labels"][:, -1:]], 1), expected), (D, W, r, m)
+
+
+def test_streaming_reads_the_source_once_per_dp_group(tmp_path):
+    from titanlite.data.streaming import StreamingSamples
+
+    (tmp_path / "files").mkdir()
+    for k in range(4):  # 4 files: 2 or 4 parts take whole files, 3 parts every 3rd document
+        write_jsonl(tmp_path / "files" / f"{k}.jsonl", 10, seed=k)
+    texts = [t for k in range(4) for t in texts_of(tmp_path / "files" / f"{k}.jsonl")]
+    for D, W, shuffle in [(2, 0, False), (2, 2, True), (3, 0, False), (1, 4, True)]:
+        parts = [StreamingSamples(Data(path=str(tmp_path / "files"), shuffle=shuffle, num_workers=W), BYTE,
+                                  16, 2, r, D) for r in range(D)]
+        w = max(W, 1)
+        read = [BYTE.decode(ids.tolist()) for s in parts for p in range(w)
+                for ids in s._documents(1, s.dp_rank * w + p)]
+        assert sorted(read) == sorted(texts), (D, W)  # each document once, in one part
+
+
+class CountingBytes(type(BYTE)):
+    encoded = 0
+
+    def encode_batch(self, texts):
+        CountingBytes.encoded += len(texts)
+        return super().encode_batch(texts)
+
+
+def test_streaming_resumes_without_replaying_and_refuses_another_layout(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", 40)  # rank 1 of 2 streams 20 documents an epoch
+    make = lambda D, r=0: build_dataloader(Data(path=str(path), streaming=True), CountingBytes(), seq_len=16,  # noqa: E731
+                                           global_batch_size=8, local_batch_size=2, dp_rank=r, dp_degree=D)
+    original = make(2, 1)
+    it = iter(original)
+    for _ in range(600):
+        next(it)
+    state, expected = original.state_dict(), [next(it)["input_ids"] for _ in range(3)]
+    assert state["dataset_state"]["position"]["epoch"] >= 3
+    resumed = make(2, 1)
+    resumed.load_state_dict(state)
+    CountingBytes.encoded = 0
+    got = [b["input_ids"] for b, _ in zip(resumed, range(3))]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert CountingBytes.encoded <= 40  # the rest of this epoch and the next one at most, not 3 epochs
+    other = make(1)
+    other.load_state_dict(state)
+    with pytest.raises(ConfigError, match="saved stream position is for dp2_workers1, this run reads the "
+                                          "stream as dp1_workers1 .* resume with that dp degree"):
+        next(iter(other))
+    from titanlite.checkpoint.state import DataState  # a training checkpoint refuses before loading
+
+    saved = {"dataloader.order", "dataloader.stream_dp2_workers1_rank0", "dataloader.stream_dp2_workers1_rank1"}
+    DataState(make(2, 1), Data(path=str(path), streaming=True), 16, 8).check_saved(saved)
+    with pytest.raises(ConfigError, match="checkpoint holds stream positions for dp2_workers1, this run reads "
+                                          "the stream as dp1_workers1"):
+        DataState(make(1), Data(path=str(path), streaming=True), 16, 8).check_saved(saved)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -108,7 +179,7 @@ def test_streaming_reshuffles_epochs(tmp_path):
     from titanlite.data.streaming import StreamingSamples
 
     def first_docs(shuffle):
-        ds = StreamingSamples(Data(path=str(path), shuffle=shuffle, shuffle_buffer=100), BYTE, 16, 8, 8, 0, 1)
+        ds = StreamingSamples(Data(path=str(path), shuffle=shuffle, shuffle_buffer=100), BYTE, 16, 8, 0, 1)
         return [BYTE.decode(d.tolist()).split(" ")[1] for e in (0, 1) for d in ds._documents(e)]
 
     plain, shuffled = first_docs(False), first_docs(True)
@@ -313,6 +384,9 @@ def test_validation_reads_the_same_batches_every_time(docs, streaming):
     for _ in range(2):
         v.loader.load_state_dict(v.start)
         runs.append(torch.cat([b["input_ids"] for b, _ in zip(v.loader, range(6))]))
-    unshuffled = global_batches(docs, 3, G=8, L=8, shuffle=False, holdout_fraction=0.0)
     assert torch.equal(runs[0], runs[1])
-    assert torch.equal(runs[0], torch.cat([b[4:, :-1] for b in unshuffled]))  # rank 1 of 2, in order
+    if streaming:  # rank 1 of 2 streams its own part: every 2nd document from the second on
+        assert torch.equal(runs[0], part_rows(docs, 1, 2, 0, 12)[:, :-1])
+    else:  # rank 1 of 2, in order
+        unshuffled = global_batches(docs, 3, G=8, L=8, shuffle=False, holdout_fraction=0.0)
+        assert torch.equal(runs[0], torch.cat([b[4:, :-1] for b in unshuffled]))

@@ -44,7 +44,7 @@ def run(cp: int, seq_len: int, steps: int, extra: list[str]) -> dict:
     env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072", **os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
-           __file__, "--worker", *args]
+           "-m", __spec__.name, "--worker", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()] \
         if (dump / "metrics.jsonl").exists() else []

@@ -111,7 +111,7 @@ def main() -> None:
         t1 = run_single(m)
         for schedule in ("GPipe", "1F1B"):
             out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc_per_node={p}", __file__, schedule, str(m)],
+                                  f"--nproc_per_node={p}", "-m", __spec__.name, schedule, str(m)],
                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                  cwd=Path(__file__).resolve().parent.parent, timeout=600)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

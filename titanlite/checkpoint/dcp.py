@@ -36,7 +36,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.checkpoint.hf import check_hf_config, read_safetensors
+from titanlite.checkpoint.hf import HFAdapter, block_groups, check_hf_config, read_safetensors
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
                                         TrainState)
@@ -125,15 +125,37 @@ def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
 
 
 def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into a model whose parameters may be sharded DTensors."""
+    """Copy full tensors into those of a model's parameters they name, which may be sharded DTensors."""
     with torch.no_grad():
         for key, param in model.state_dict().items():
+            if key not in full:
+                continue  # loaded with another group of tensors
             src = full[key].to(param.dtype)
             if isinstance(param, DTensor):
                 # every rank holds the full tensor, so each keeps its slice without communication
                 src = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 param = param.to_local()
             param.copy_(src)
+
+
+def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any) -> None:
+    """A transformers folder into the parts (sharded or not), one decoder block at a time: a
+    rank holds its own shards and one block's full tensors, never the whole model, and reads no
+    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers."""
+    headers = read_safetensors(path, meta=True)
+    states = [part.state_dict() for part in parts]
+    check_shapes({k: v.shape for sd in states for k, v in sd.items()},
+                 {k: v.shape for k, v in adapter.from_hf(headers, args).items()}, str(path))
+    mine = {k for sd in states for k in sd}
+    unread = adapter.from_hf({}, args)  # what needs no weight (a MoE's zero router bias)
+    for part in parts:
+        _assign_full(part, unread)
+    for names in block_groups(headers):
+        if not (adapter.from_hf({k: headers[k] for k in names}, args).keys() - unread.keys()) & mine:
+            continue
+        full = adapter.from_hf(read_safetensors(path, set(names)), args)
+        for part in parts:
+            _assign_full(part, {k: v for k, v in full.items() if k not in unread})
 
 
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
@@ -233,6 +255,7 @@ class CheckpointManager:
         meta = read_metadata(path)
         check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
                      saved_shapes(meta, "model."), str(path))
+        self.data.check_saved(meta.state_dict_metadata)
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
@@ -258,11 +281,7 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
-            full = adapter.from_hf(read_safetensors(path), self.args)
-            check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
-                         {k: v.shape for k, v in full.items()}, str(path))
-            for part in self.parts:
-                _assign_full(part, full)
+            load_hf_weights(self.parts, path, adapter, self.args)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 

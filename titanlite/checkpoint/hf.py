@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Collection, Iterable
 from typing import Any, Callable
 
 import torch
@@ -179,17 +180,32 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors files, on CPU."""
+def read_safetensors(folder: str | Path, names: Collection[str] | None = None, meta: bool = False
+                     ) -> dict[str, torch.Tensor]:
+    """The folder's tensors (those in `names`, else all) on CPU; with `meta`, meta tensors of
+    their shapes, from the files' headers alone."""
     out: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(folder)):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    out[key] = f.get_tensor(key)
+                    if names is None or key in names:
+                        out[key] = (torch.empty(f.get_slice(key).get_shape(), device="meta") if meta
+                                    else f.get_tensor(key))
         except Exception as e:  # safetensors raises its own error types for truncated headers
             raise ConfigError(f"{path}: unreadable safetensors file ({e})") from None
     return out
+
+
+def block_groups(names: Iterable[str]) -> list[list[str]]:
+    """Transformers tensor names by decoder block (model.layers.<i>.), the names outside every
+    block first: a load can then hold one block's full tensors at a time."""
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        block = int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit() else -1
+        groups.setdefault(block, []).append(name)
+    return [groups[b] for b in sorted(groups)]
 
 
 def write_hf_folder(folder: str | Path, state_dict: dict[str, torch.Tensor], config: dict[str, Any],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -97,7 +98,8 @@ class SchedulerState:
 
 
 class DataState:
-    """The global sample cursor. Layout-free, so it is the same on every rank."""
+    """The global sample cursor, the same on every rank. A streamed source adds each dp rank's
+    position in its own share of the stream, under a key naming the rank and the layout."""
 
     def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
         self.loader, self.global_batch_size = loader, global_batch_size
@@ -105,9 +107,27 @@ class DataState:
         order = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"}
         self.order = json.dumps({**order, "seq_len": seq_len}, sort_keys=True)
         self.samples_seen = 0
+        streamed = getattr(loader, "batch_sampler", None) is None
+        self.stream_key = f"stream_{loader.dataset.layout}_rank{loader.dataset.dp_rank}" if streamed else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"samples_seen": self.samples_seen, "order": self.order}
+        sd: dict[str, Any] = {"samples_seen": self.samples_seen, "order": self.order}
+        if self.stream_key:
+            sd[self.stream_key] = json.dumps(self.loader.state_dict())
+        return sd
+
+    def check_saved(self, saved: Iterable[str]) -> None:
+        """Before loading: a streamed position exists only for the layout it was saved on."""
+        if not self.stream_key or f"dataloader.{self.stream_key}" in saved:
+            return
+        layouts = sorted({k.split(".")[1].rsplit("_rank", 1)[0][len("stream_"):] for k in saved
+                          if k.startswith("dataloader.stream_")})
+        if not layouts:
+            raise ConfigError("the checkpoint was not saved from a streamed source; restore the data "
+                              "settings it was saved with or start a new dump_folder")
+        raise ConfigError(f"data.streaming: the checkpoint holds stream positions for {layouts[0]}, this run "
+                          f"reads the stream as {self.loader.dataset.layout} (each dp rank and loader worker "
+                          "streams its own share); resume with the dp degree and data.num_workers it was saved with")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd["order"] != self.order:
@@ -121,12 +141,12 @@ class DataState:
                               f"training.global_batch_size {self.global_batch_size}; resuming would "
                               "repeat or skip samples. Use a global batch size that divides it")
         self.samples_seen = sd["samples_seen"]
-        global_batch = self.samples_seen // self.global_batch_size
-        if getattr(self.loader, "batch_sampler", None) is None:
-            self.loader.dataset.resume_at(global_batch)  # a streamed source replays up to there
+        if self.stream_key:
+            self.loader.load_state_dict(json.loads(sd[self.stream_key]))  # this rank's own position
             return
         # The sampler is the loader's only state and is kept in the main process, so setting
         # it before iter() resumes with or without workers.
+        global_batch = self.samples_seen // self.global_batch_size
         self.loader.batch_sampler.load_state_dict({"global_batch": global_batch, "micro_batch": 0})
 
 

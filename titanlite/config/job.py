@@ -187,7 +187,8 @@ class Metrics:
 @dataclass(frozen=True)
 class Data:
     path: str = ""
-    """A .txt/.jsonl file or a folder of them; empty means the embedded Python
+    """A .txt/.jsonl/.parquet file or a folder of them, a datasets folder, hf:NAME, or a token
+    folder (python -m titanlite.tools.tokenize); empty means the embedded Python
     standard-library source."""
     text_field: str = "text"
     """Field holding the text in .jsonl records."""

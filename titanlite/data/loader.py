@@ -6,14 +6,15 @@ g % N (permuted per epoch when shuffling). Global batch b holds global samples
 [b*G, (b+1)*G); dp rank r takes rows [r*G/D, (r+1)*G/D) in micro-batches. The order of
 global batches thus depends only on the data config, never on the world size, and the
 only loader state is a global cursor. A mixture interleaves several such sources by a fixed
-per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py.
+per-period schedule (MixedSamples). Sources are read in sources.py, streamed in streaming.py;
+token folders (a source tokenized once) are read by offset in tokens.py.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,33 +23,23 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
-from titanlite.data.sources import parse_mix, probe_source, read_documents, source_name
+from titanlite.data.sources import is_token_folder, parse_mix, probe_source, read_documents, source_name
 from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder, read_index
 
 MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
-
-
-@dataclass(frozen=True)
-class TokenStream:
-    tokens: np.ndarray  # uint32, all documents back to back
-    doc_starts: np.ndarray  # int64 offset of each document (kept for document masking)
 
 
 @functools.lru_cache(maxsize=8)  # the train and val loaders share one tokenization pass
 def token_stream(path: str, field: str, tokenizer: Tokenizer, split: str = "train") -> TokenStream:
     """The whole corpus as one read-only token stream (both holdout splits); `split` names
-    the split of a Hugging Face data set."""
+    the split of a Hugging Face data set. A token folder is opened, not read or tokenized."""
+    if is_token_folder(path):
+        return open_token_folder(path, tokenizer)
     texts = [t for t in read_documents(path, field, split) if t]
     if not texts:
         raise ConfigError(f"data.path: no documents with text in {source_name(path)}")
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    docs = encode_batch(texts) if encode_batch else [np.asarray(tokenizer.encode(t)) for t in texts]
-    tail = np.array([tokenizer.eos_id], dtype=np.uint32)
-    # Without a distinct BOS, EOS alone separates documents (no doubled separator).
-    head = np.array([tokenizer.bos_id] if tokenizer.bos_id != tokenizer.eos_id else [], dtype=np.uint32)
-    parts = [a for d in docs for a in (head, d, tail)]
-    tokens = np.concatenate(parts, dtype=np.uint32, casting="unsafe")
-    lengths = np.array([len(d) + len(head) + 1 for d in docs], dtype=np.int64)
+    tokens, lengths = encode_documents(texts, tokenizer)
     doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     tokens.flags.writeable = doc_starts.flags.writeable = False  # shared through the cache
     return TokenStream(tokens, doc_starts)
@@ -56,20 +47,24 @@ def token_stream(path: str, field: str, tokenizer: Tokenizer, split: str = "trai
 
 def split_stream(stream: TokenStream, holdout_fraction: float, split: str) -> TokenStream:
     """Train is the head of the stream, val the last `holdout_fraction` of it. The cut snaps
-    to the nearest document start unless that moves it by more than half the holdout."""
-    n = len(stream.tokens)
+    to the nearest document start unless that moves it by more than half the holdout.
+    Binary searches only, so a token folder's stream stays unread."""
+    n, starts = len(stream.tokens), stream.doc_starts
     target = n - round(holdout_fraction * n)
-    i = int(np.abs(stream.doc_starts - target).argmin())
-    nearest = int(stream.doc_starts[i])
+    i = int(np.searchsorted(starts, target))  # starts[i - 1] < target <= starts[i]
+    if i == len(starts) or (i > 0 and target - starts[i - 1] <= starts[i] - target):
+        i -= 1  # the nearer start; the earlier one on a tie
+    nearest = int(starts[i])
     cut = nearest if 0 < nearest and abs(nearest - target) <= (n - target) / 2 else target
+    first_val = int(np.searchsorted(starts, cut))
     if split == "train":
-        return TokenStream(stream.tokens[:cut], stream.doc_starts[stream.doc_starts < cut])
+        return TokenStream(stream.tokens[:cut], starts[:first_val])
     if split != "val":
         raise ValueError(f"split must be 'train' or 'val', got '{split}'")
-    starts = stream.doc_starts[stream.doc_starts >= cut] - cut
-    if len(starts) == 0 or starts[0] != 0:
-        starts = np.concatenate([[0], starts])  # the tail begins mid-document
-    return TokenStream(stream.tokens[cut:], starts)
+    val_starts = np.asarray(starts[first_val:]) - cut
+    if len(val_starts) == 0 or val_starts[0] != 0:
+        val_starts = np.concatenate([[0], val_starts])  # the tail begins mid-document
+    return TokenStream(stream.tokens[cut:], val_starts)
 
 
 class TokenSamples(Dataset):
@@ -90,7 +85,10 @@ class TokenSamples(Dataset):
             return pos
         if self._perm is None or self._perm[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch, *self.source])
-            self._perm = (epoch, rng.permutation(self.num_samples))
+            # shuffling an arange draws the same order as rng.permutation(n), in half the memory
+            order = np.arange(self.num_samples, dtype=np.uint32 if self.num_samples < 2**32 else np.int64)
+            rng.shuffle(order)
+            self._perm = (epoch, order)
         return int(self._perm[1][pos])
 
     def epoch(self, g: int) -> int:
@@ -99,7 +97,7 @@ class TokenSamples(Dataset):
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
         start = self.position(g) * self.seq_len
-        s = torch.from_numpy(self.stream.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        s = torch.from_numpy(np.asarray(self.stream.tokens[start:start + self.seq_len + 1], dtype=np.int64))
         sample = {"input_ids": s[:-1], "labels": s[1:]}
         if self.document_mask:
             sample.update(document_spans(self.stream.doc_starts, start, self.seq_len))
@@ -234,10 +232,12 @@ def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "t
 
 def probe_data(data: Data, val: Validation) -> None:
     """Check every configured source (training, mixture, validation) before starting."""
-    for path in [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]:
-        probe_source(path, data.text_field, data.split)
-    if val.freq and val.path:
-        probe_source(val.path, data.text_field, val.split)
+    sources = [(p, data.split) for p in ([data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)])]
+    for path, split in sources + ([(val.path, val.split)] if val.freq and val.path else []):
+        if is_token_folder(path):
+            read_index(path)  # finished and whole; the tokenizer is checked where it is opened
+        else:
+            probe_source(path, data.text_field, split)
 
 
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,
@@ -257,7 +257,7 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
     if cfg.streaming:
         from titanlite.data.streaming import build_streaming_loader
 
-        return build_streaming_loader(cfg, tokenizer, seq_len, G, L, dp_rank, D)
+        return build_streaming_loader(cfg, tokenizer, seq_len, L, dp_rank, D)
     dataset = build_dataset(cfg, tokenizer, seq_len, split)
     if isinstance(dataset, TokenSamples) and dataset.num_samples < G:
         raise ConfigError(f"data: only {dataset.num_samples} samples of seq_len {seq_len} in the "

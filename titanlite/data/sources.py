@@ -5,6 +5,7 @@ A source string is one of
   a file or folder      .txt (one document per file), .jsonl (one per line), .parquet (one per row)
   a `save_to_disk` folder   a Hugging Face `datasets` Dataset or DatasetDict
   "hf:NAME[:CONFIG]"    a Hugging Face data set loaded with `datasets.load_dataset`
+  a token folder        a corpus tokenized once by titanlite.tools.tokenize (read in tokens.py)
 Every order here is fixed by the source alone: files sorted by relative path, rows in file order.
 """
 
@@ -22,6 +23,7 @@ STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte to
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+TOKEN_INDEX = "index.json"  # a token folder's index (titanlite/data/tokens.py)
 
 
 def source_name(path: str) -> str:
@@ -116,6 +118,12 @@ def _is_hf_disk(p: Path) -> bool:
     return p.is_dir() and any((p / m).is_file() for m in _HF_DISK_MARKERS)
 
 
+def is_token_folder(path: str) -> bool:
+    """A folder written by titanlite.tools.tokenize, finished or not (shards come before the index)."""
+    p = Path(path)
+    return bool(path) and p.is_dir() and ((p / TOKEN_INDEX).is_file() or any(p.glob("tokens-*.bin")))
+
+
 def _check_column(ds, path: str, field: str) -> None:
     names = ds.column_names
     if names is not None and field not in names:  # None: a streamed source whose schema is unknown yet
@@ -159,34 +167,54 @@ def _hf_dataset(path: str, split: str, streaming: bool):
                                  streaming=streaming, **kwargs)
 
 
-def read_documents(path: str, field: str, split: str) -> list[str]:
-    """All documents of a source, in the source's own order."""
+def iter_documents(path: str, field: str, split: str) -> Iterator[str]:
+    """All documents of a source, in the source's own order, read as they are needed."""
     if not path:
-        return _stdlib_documents()
+        yield from _stdlib_documents()
+        return
     p = Path(path)
+    if is_token_folder(path):
+        raise ConfigError(f"data.path: '{path}' is a token folder, already tokenized; train from it as it is")
     if path.startswith("hf:") or _is_hf_disk(p):
         ds = _hf_dataset(path, split, streaming=False)
         _check_column(ds, path, field)
-        return [t or "" for t in ds[field]]
+        for batch in ds.iter(batch_size=1024):
+            yield from (t or "" for t in batch[field])
+        return
     if not p.exists():
         raise ConfigError(f"data.path: '{path}' does not exist")
-    return [doc for f in _files(p) for doc in _file_documents(f, field)]
+    for f in _files(p):
+        yield from _file_documents(f, field)
+
+
+def read_documents(path: str, field: str, split: str) -> list[str]:
+    """All documents of a source, in the source's own order."""
+    return list(iter_documents(path, field, split))
 
 
 def stream_documents(path: str, field: str, split: str, seed: int, shuffle: bool, epoch: int,
-                     buffer_size: int) -> Iterator[str]:
-    """One pass over a source without reading it whole; shuffled within a buffer by (seed, epoch)."""
+                     buffer_size: int, part: int = 0, parts: int = 1) -> Iterator[str]:
+    """One pass over part `part` of `parts` of a source without reading it whole (whole files or
+    shards when `parts` divides their count, else every parts-th document); shuffled within a
+    buffer by (seed, epoch)."""
     if not path:
         raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
+    if is_token_folder(path):
+        raise ConfigError(f"data.streaming: '{path}' is a token folder, read by index without "
+                          "streaming; set data.streaming = false")
     if not (path.startswith("hf:") or Path(path).exists()):
         raise ConfigError(f"data.path: '{path}' does not exist")
     ds = _hf_dataset(path, split, streaming=True)
     _check_column(ds, path, field)
+    if parts > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        ds = split_dataset_by_node(ds, rank=part, world_size=parts)
     if shuffle:
         ds = ds.shuffle(seed=seed, buffer_size=buffer_size)
         ds.set_epoch(epoch)
-    # .iter() reads every shard even inside a DataLoader worker (plain iteration would split
-    # shards across workers, and every worker here needs the whole stream)
+    # .iter() reads every shard of this part even inside a DataLoader worker (plain iteration
+    # would split them again across the workers)
     for n, batch in enumerate(ds.iter(batch_size=256)):
         texts = batch.get(field)
         bad = texts is None or any(t is not None and not isinstance(t, str) for t in texts)
@@ -201,6 +229,8 @@ def source_bytes(path: str) -> float:
     if not path:
         return STDLIB_MAX_CHARS
     p = Path(path)
+    if is_token_folder(path):
+        return 0  # opened without being read
     if path.startswith("hf:") or _is_hf_disk(p):
         return float("inf")
     return sum(f.stat().st_size for f in _files(p))
@@ -208,8 +238,8 @@ def source_bytes(path: str) -> float:
 
 def check_text(path: str, field: str, key: str = "data.path") -> None:
     """Refuse a local source without a single non-empty document, reading only up to the first."""
-    if not path or path.startswith("hf:") or _is_hf_disk(Path(path)):
-        return  # the built-in source has text; a data set's column was checked by probe_source
+    if not path or path.startswith("hf:") or _is_hf_disk(Path(path)) or is_token_folder(path):
+        return  # the built-in source has text; a data set's column and a token folder were probed
     if not any(doc for f in _files(Path(path)) for doc in _file_documents(f, field)):
         raise ConfigError(f"{key}: no documents with text in '{path}'; every document is empty")
 

@@ -68,26 +68,26 @@ class HFTokenizer:
         if bos is None and eos is None:
             raise ConfigError(f"data.tokenizer: '{folder}' defines neither a BOS nor an EOS "
                               "token; set eos_token in its tokenizer_config.json")
-        self._tok = tok
+        self.hf = tok  # the transformers tokenizer (its rules fingerprint token folders)
         self.vocab_size = len(tok)
         self.eos_id = eos if eos is not None else bos
         self.bos_id = bos if bos is not None else self.eos_id
         self.pad_id = tok.pad_token_id
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False, verbose=False)
+        return self.hf.encode(text, add_special_tokens=False, verbose=False)
 
     def encode_batch(self, texts: list[str], chunk: int = 256) -> list[np.ndarray]:
         out = []
         for i in range(0, len(texts), chunk):
             # verbose=False: documents longer than the model's max length are expected here.
-            enc = self._tok(texts[i:i + chunk], add_special_tokens=False,
+            enc = self.hf(texts[i:i + chunk], add_special_tokens=False,
                             return_attention_mask=False, verbose=False)
             out += [np.asarray(ids, dtype=np.uint32) for ids in enc["input_ids"]]
         return out
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return self.hf.decode(ids)
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
