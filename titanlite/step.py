@@ -52,8 +52,8 @@ class PlainStep:
     model: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     loss_parallel: bool
-    cp_group: dist.ProcessGroup | None
-    param_dtype: torch.dtype
+    context: Callable[[torch.Tensor | None, torch.Tensor | None], AttnContext]
+    """(positions, document_ids) -> the batch's attention context (cp group and backend bound)."""
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -63,7 +63,7 @@ class PlainStep:
     gradient norm counts them once, through the original."""
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
-        ctx = AttnContext(batch.get("positions"), batch.get("document_ids"), self.cp_group, self.param_dtype)
+        ctx = self.context(batch.get("positions"), batch.get("document_ids"))
         with self.autocast:
             logits = self.model(batch["input_ids"], ctx)
         return self.loss_fn(logits, batch["labels"])

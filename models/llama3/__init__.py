@@ -24,6 +24,11 @@ flavors = {
     # the debug model with the 1B/3B embedding tying, to test tying under every layout
     "debugmodel_tied": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
                                  multiple_of=64, rope_scaling_factor=8.0, tie_embeddings=True),
+    # Mistral- and gpt-oss-style attention on the debug model, to test the attention seam under
+    # every layout: 16-key windows on alternate layers, learned sinks in all
+    "debugmodel_swa": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=64,
+                                rope_scaling_factor=8.0, sliding_window=16, attn_sinks=True,
+                                layer_types=("sliding_attention", "full_attention") * 2),
     # ~100M parameters (vocab 16384): big enough that CPU benchmarks are matmul-bound
     "100M": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=16384, multiple_of=256),
 }

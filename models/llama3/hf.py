@@ -40,6 +40,9 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
 
 
 def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    if args.sliding_window or args.attn_sinks:
+        raise ConfigError("LlamaForCausalLM has no sliding windows or attention sinks: this flavor has no "
+                          "Hugging Face form; export a flavor without them")
     rope_scaling = None
     if args.rope_scaling_factor:
         rope_scaling = {"rope_type": "llama3", "factor": args.rope_scaling_factor,

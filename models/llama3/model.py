@@ -52,11 +52,12 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return freqs
 
 
-def block(args: ModelArgs) -> Block:
-    attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, rope.rotate_pairs)
+def block(args: ModelArgs, layer: int) -> Block:
+    attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, rope.rotate_pairs,
+                          window=args.window(layer), sinks=args.attn_sinks)
     return Block(args.dim, args.norm_eps, attention, feed_forward=FeedForward(args.dim, args.ffn_hidden, F.silu))
 
 
 class Transformer(Decoder):
     def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: block(args), rope_frequencies(args))
+        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))

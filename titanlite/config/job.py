@@ -34,6 +34,10 @@ class Model:
     """Size preset from the family's `flavors`."""
     vocab_size: int = 0
     """Embedding rows; 0 keeps the flavor's value. Must cover the tokenizer."""
+    attn_backend: str = "sdpa"
+    """Attention kernels: sdpa (flash for plain causal; masked blocks of queries otherwise), flex
+    (FlexAttention, compiled on GPU; no backward on CPU) or varlen (CUDA, packed documents).
+    docs/attention.md."""
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,7 @@ def check_config(cfg: JobConfig) -> None:
     _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
     _choice("training.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("model.attn_backend", cfg.model.attn_backend, ("sdpa", "flex", "varlen"))
     _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
             ("default", "always", "never"))
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))

@@ -52,6 +52,7 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
                           "has no experts; set it to 1")
     spec.check_layout(args, dims)
+    check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
     if hasattr(args, "moe") and cfg.moe.grouped_mm == "on":
         check_grouped_mm((args.moe.hidden, args.dim), cfg.training)
     context.check_seq_len(cfg.training.seq_len, dims.cp)
@@ -117,10 +118,45 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
     check_shapes(expected, saved_shapes(read_metadata(path), "model."), str(path))
 
 
+def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
+    """The model's attention (windows, sinks) and the backend that is to run it, before launch."""
+    window, context = args.sliding_window, args.context_len or args.max_seq_len
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ConfigError(f"the flavor's sliding_window must be a positive integer (0: none), got {window!r}")
+    if window > context:
+        raise ConfigError(f"the flavor's sliding_window {window} is larger than the model's context ({context} "
+                          "tokens); a window that sees everything is no window: set 0")
+    kinds = {"full_attention", "sliding_attention"}
+    if args.layer_types and (len(args.layer_types) != args.n_layers or set(args.layer_types) - kinds):
+        raise ConfigError(f"the flavor's layer_types must name each of its {args.n_layers} layers "
+                          f"'full_attention' or 'sliding_attention', got {args.layer_types}")
+    if backend == "flex":
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"model.attn_backend flex: torch {torch.__version__} has no FlexAttention; "
+                              "use sdpa") from None
+        if not cuda:
+            raise ConfigError(f"model.attn_backend flex: torch {torch.__version__} has no FlexAttention "
+                              "backward on CPU; train on CUDA or use sdpa")
+    if backend == "varlen":
+        if not cuda:
+            raise ConfigError("model.attn_backend varlen runs on CUDA only; use sdpa or flex")
+        if cp > 1:
+            raise ConfigError("model.attn_backend varlen does not split documents over context parallel; "
+                              "use sdpa or flex with parallelism.context_parallel_degree > 1")
+        if args.attn_sinks:
+            raise ConfigError("model.attn_backend varlen cannot apply attention sinks; use sdpa or flex")
+
+
+def _on_cuda(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def check_grouped_mm(widths: tuple[int, int], t: Training) -> None:
     """moe.grouped_mm = on where it cannot run: say so before launch. CPU is probed; on CUDA only
     what needs no device (the kernel's presence, stride alignment) is checked here."""
-    cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    cuda = _on_cuda(t.device)
     dtype = param_dtype(t.mixed_precision_param, torch.device("cuda" if cuda else "cpu"))
     why = grouped_mm_supported(torch.device("meta" if cuda else "cpu"), dtype, widths)
     if why is not None:

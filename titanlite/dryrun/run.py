@@ -47,7 +47,7 @@ from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.config.preflight import Plan, preflight
+from titanlite.config.preflight import Plan, check_attention, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 # The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
@@ -57,7 +57,9 @@ OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
     dtype that `auto` picks there, no compile (eager memory is an upper bound of compiled),
-    and a throw-away dump folder (preflight checks it is writable)."""
+    and a throw-away dump folder (preflight checks it is writable). Attention is traced with
+    the sdpa backend: flex's and varlen's kernels cannot run on fake CPU tensors, and sdpa's
+    blocked path holds the same linear memory (the report says so)."""
     t = cfg.training
     param = t.mixed_precision_param
     if param == "auto":
@@ -65,6 +67,7 @@ def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     return dataclasses.replace(
         cfg, training=dataclasses.replace(t, device="cpu", mixed_precision_param=param),
         compile=dataclasses.replace(cfg.compile, enable=False),
+        model=dataclasses.replace(cfg.model, attn_backend="sdpa"),
         job=dataclasses.replace(cfg.job, dump_folder=tempfile.mkdtemp(prefix="titanlite-dryrun-")))
 
 
@@ -254,8 +257,10 @@ def trace_role(cfg: JobConfig, plan: Plan, world_size: int, k: int, period: int,
 def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, full: bool = False,
             device: str = "cuda") -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
+    backend = cfg.model.attn_backend
     cfg = dry_config(cfg, device)
     plan = preflight(cfg, world_size, data=False)  # a dry run reads no data: it plans any size of job
+    check_attention(backend, plan.args, plan.dims.cp, device == "cuda")
     dims, ac = plan.dims, cfg.activation_checkpoint
     for r in ranks or []:
         if not 0 <= r < world_size:
@@ -271,7 +276,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     t = cfg.training
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
-                       "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param},
+                       "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
+                       "attn_backend": backend},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -321,6 +327,9 @@ def print_table(rep: dict) -> None:
           + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
           + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
           f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}")
+    if cfg["attn_backend"] != "sdpa":
+        print(f"attention: model.attn_backend {cfg['attn_backend']} traced as sdpa (its kernels cannot run on "
+              "fake CPU tensors); memory and collectives are sdpa's, time a roofline of the same FLOPs")
     if rep["pipeline"]:
         pipe = rep["pipeline"]
         print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages of {min(pipe['blocks_per_stage'])}-"

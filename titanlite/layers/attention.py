@@ -1,20 +1,60 @@
-"""The one attention entry point that model code calls, and the attention layer built on it.
+"""The attention seam (`attention`), the one function model code calls, and the grouped-query
+attention layer built on it.
 
-Models never know about context parallelism or document masking: they pass an
-`AttnContext` through, and `sdpa` picks the right kernel.
+A model states what each layer wants: a sliding window of W keys, learned per-head sinks, a
+softmax scale, and q/k may have another head dim than v (MLA). The trainer states what the
+batch is (`AttnContext`): positions, packed documents, the context-parallel group, the backend.
+Masks are the seam's business; no model builds one, and no mask of shape [queries, all keys]
+outlives one block of queries.
+
+A query at global index i sees key j iff j <= i, j is in i's document, and i - j < W.
+Backends (`model.attn_backend`, docs/attention.md):
+- sdpa: plain causal attention is one SDPA call (flash kernels). Anything else (documents,
+  windows, sinks, context-parallel chunks) runs in blocks of `QUERY_BLOCK` queries, each
+  against the keys it may see, with a boolean mask of that block alone, recomputed in backward,
+  so memory grows linearly with the sequence. A sink is one more key whose score is the sink's
+  logit and whose value is zero.
+- flex: FlexAttention, one block mask per (query chunk, window) built on first use in a batch
+  and shared by every layer and by the recompute under AC; compiled on GPU. torch has no
+  FlexAttention backward on CPU, so there it serves forward passes only (preflight refuses
+  training with it on CPU). Sinks scale the output by sigmoid(lse - sink).
+- varlen: the CUDA variable-length kernel over packed documents (CUDA only; never run here).
+Context parallel: K and V are all-gathered over the cp group (their gradients reduce-scattered
+back) and each of the rank's two head-tail query chunks attends to the keys up to its end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from titanlite.parallel.context import chunks_of, gather_sequence
+
+BACKENDS = ("sdpa", "flex", "varlen")
+QUERY_BLOCK = 512
+"""Queries per masked SDPA call: bounds a block's mask (and the math kernel's scores) at
+QUERY_BLOCK x its keys."""
+
+
+class _BatchCache:
+    """What every layer of one forward shares (host-side document bounds, flex block masks).
+    Not a tensor, container or dataclass: FSDP's input casting copies the context per block and
+    keeps this by reference, so the first layer builds and the rest (and the recompute) reuse."""
+
+    def __init__(self) -> None:
+        self.items: dict = {}
+
+    def get(self, key, build: Callable):
+        if key not in self.items:
+            self.items[key] = build()
+        return self.items[key]
 
 
 @dataclass
@@ -29,79 +69,177 @@ class AttnContext:
     cp_group: dist.ProcessGroup | None = None
     """The context-parallel group when this rank holds a head-tail shard of the sequence;
     positions are then required (each token's global position)."""
-    dtype: torch.dtype = torch.float32
-    """dtype of q, k and v in attention (the parameter dtype), which the masks are built in."""
-    blocks: list[tuple[slice, int, torch.Tensor | None]] | None = None
-    """Derived: (query rows, key count, additive mask or None for plain causal) per query
-    chunk. Built once per batch in `dtype` and shared by all layers: SDPA would turn a
-    boolean mask into a float copy per call and keep that for backward, layer after layer.
-    FSDP's input casting copies the context per block, blocks included."""
+    backend: str = "sdpa"
+    """"sdpa", "flex" or "varlen" (see the module doc)."""
+    cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
 
     def __post_init__(self) -> None:
-        if self.blocks is not None or (self.cp_group is None and self.document_ids is None):
-            return
         if self.cp_group is not None and self.positions is None:
             raise ValueError("AttnContext: a cp_group needs the positions of the rank's tokens")
-        ref = self.positions if self.positions is not None else self.document_ids
-        self.blocks = _blocks(self, ref.shape[-1], ref.device)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"AttnContext: backend {self.backend!r} is not one of {BACKENDS}")
 
 
-def _blocks(ctx: AttnContext, local_len: int, device: torch.device) -> list:
-    if ctx.cp_group is None:
-        spans = [(slice(0, local_len), 0)]
-    else:
-        degree, rank = dist.get_world_size(ctx.cp_group), dist.get_rank(ctx.cp_group)
-        c = local_len // 2
-        spans = [(slice(j * c, (j + 1) * c), chunk * c) for j, chunk in enumerate(chunks_of(rank, degree))]
-    out = []
-    for rows, start in spans:
-        n_q = rows.stop - rows.start
-        n_k = start + n_q  # causal: keys up to this chunk's last query
-        if ctx.document_ids is None and start == 0:
-            out.append((rows, n_k, None))
-            continue
-        q_pos = torch.arange(start, n_k, device=device)
-        mask = (torch.arange(n_k, device=device)[None, :] <= q_pos[:, None])[None, None]
-        if ctx.document_ids is not None:
-            docs = ctx.document_ids.to(device)
-            mask = mask & (docs[:, start:n_k, None] == docs[:, None, :n_k])[:, None]
-        additive = torch.zeros(mask.shape, dtype=ctx.dtype, device=device).masked_fill_(~mask, float("-inf"))
-        out.append((rows, n_k, additive))
-    return out
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
-    """Causal attention. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] with Hq a multiple of Hkv.
-
-    With ctx.cp_group, S is this rank's head-tail shard: K and V are all-gathered (before
-    the GQA expansion, to move less) and each of the two query chunks attends to the keys
-    up to its own global position."""
-    if ctx is None or (ctx.cp_group is None and ctx.document_ids is None):
-        return _attend(q, k, v, None)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | None = None,
+              window: int | None = None, sinks: torch.Tensor | None = None,
+              scale: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, S, Dqk]; k: [B, Hkv, S, Dqk]; v: [B, Hkv, S, Dv], Hq a multiple of Hkv.
+    `window`: keys a query sees, itself included (None: all before it); `sinks`: [Hq] logits
+    of a key every query sees with value zero; `scale`: softmax scale (default Dqk^-0.5).
+    Returns [B, Hq, S, Dv]. S is this rank's head-tail shard under context parallel."""
+    ctx = ctx or AttnContext()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if sinks is not None and isinstance(sinks, DTensor):  # under TP: this rank's heads
+        sinks = sinks.to_local()
+    if ctx.backend == "varlen":
+        return _varlen(q, k, v, ctx, window, scale)
     if ctx.cp_group is not None:
-        kv = gather_sequence(torch.stack([k, v]), ctx.cp_group, dim=3)
-        k, v = kv[0], kv[1]
-    outs = [_attend(q[:, :, rows], k[:, :, :n_k], v[:, :, :n_k], mask)
-            for rows, n_k, mask in ctx.blocks]
+        dk = k.shape[-1]  # one all-gather for both, even when Dqk != Dv
+        kv = gather_sequence(torch.cat([k, v], dim=-1), ctx.cp_group, dim=2)
+        k, v = kv[..., :dk], kv[..., dk:]
+    if ctx.backend == "flex":
+        return _flex(q, k, v, ctx, window, sinks, scale)
+    if ctx.cp_group is None and ctx.document_ids is None and window is None and sinks is None:
+        return _sdpa(q, k, v, None, scale)
+    outs = []
+    for local, start, n in _query_chunks(ctx, q.shape[2]):
+        for a in range(0, n, QUERY_BLOCK):
+            b = min(n, a + QUERY_BLOCK)
+            lo = _first_key(ctx, start + a, window)
+            # recomputed in backward: a saved mask per block would add up to [S, S]
+            outs.append(checkpoint(_masked_block, q[:, :, local + a:local + b], k[:, :, lo:start + b],
+                                   v[:, :, lo:start + b], start + a, lo, ctx.document_ids, window, sinks, scale,
+                                   use_reentrant=False))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _query_chunks(ctx: AttnContext, local_len: int) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each contiguous run of this rank's queries."""
+    if ctx.cp_group is None:
+        return [(0, 0, local_len)]
+    degree, rank = dist.get_world_size(ctx.cp_group), dist.get_rank(ctx.cp_group)
+    c = local_len // 2
+    return [(j * c, chunk * c, c) for j, chunk in enumerate(chunks_of(rank, degree))]
+
+
+def _first_key(ctx: AttnContext, query: int, window: int | None) -> int:
+    """The first key any query from global index `query` on may see (in any batch row)."""
+    lo = 0 if window is None else max(0, query - window + 1)
+    if ctx.document_ids is not None:
+        lo = max(lo, ctx.cache.get("doc_first", lambda: _document_starts(ctx.document_ids))[query])
+    return lo
+
+
+def _document_starts(docs: torch.Tensor) -> list[int]:
+    """For each index of the sequence, the earliest start (over batch rows) of the document it
+    is in: one host read per batch, shared by every layer."""
+    idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return torch.where(starts, idx, 0).cummax(dim=1).values.amin(dim=0).tolist()
+
+
+def _masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int,
+                  docs: torch.Tensor | None, window: int | None, sinks: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """Queries from global index q0 against keys from k0, with their mask built here."""
+    qi = torch.arange(q0, q0 + q.shape[2], device=q.device)[:, None]
+    ki = torch.arange(k0, k0 + k.shape[2], device=q.device)[None, :]
+    mask = ki <= qi
+    if window is not None:
+        mask = mask & (qi - ki < window)
+    mask = mask[None, None]
+    if docs is not None:
+        docs = docs.to(q.device)
+        mask = mask & (docs[:, q0:q0 + q.shape[2], None] == docs[:, None, k0:k0 + k.shape[2]])[:, None]
+    if sinks is not None:
+        b, h = max(q.shape[0], mask.shape[0]), q.shape[1]
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        sink = sinks.to(q.dtype).view(1, h, 1, 1).expand(b, h, q.shape[2], 1)
+        mask = torch.cat([bias.expand(b, h, -1, -1), sink], dim=-1)
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[3])], dim=2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
     """SDPA; mask None means causal with queries and keys starting together."""
-    if mask is not None and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)  # only if the context's dtype was wrong: correct, but a copy per layer
     rep = q.shape[1] // k.shape[1]
     # Flash kernels read shared K/V heads in place (no expanded copy, no sum over the copies
     # in backward). CUDA has flash only for 16-bit dtypes and without a mask; elsewhere it picks
     # the memory-efficient kernel, which has no GQA and would fall back to the math kernel.
-    if mask is None and (q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+    if q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=rep > 1)
     if rep > 1:
         k = k.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
         v = v.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _flex_fn(name: str, device: torch.device) -> Callable:
+    """flex_attention or create_block_mask, compiled on GPU (eager, FlexAttention materialises
+    the whole score matrix; compiled it is one fused kernel)."""
+    from torch.nn.attention import flex_attention as flex
+    fn = getattr(flex, name)
+    if device.type != "cuda":
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn)
+    return _compiled[name]
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, window: int | None,
+          sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import AuxRequest
+    outs = []
+    for local, start, n in _query_chunks(ctx, q.shape[2]):
+        mask = ctx.cache.get(("flex", start, n, window), lambda: _block_mask(ctx, start, n, window, q.device))
+        out, aux = _flex_fn("flex_attention", q.device)(
+            q[:, :, local:local + n], k[:, :, :start + n], v[:, :, :start + n], block_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
+        if sinks is not None:
+            out = out * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+        outs.append(out)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _block_mask(ctx: AttnContext, start: int, n: int, window: int | None, device: torch.device):
+    docs = None if ctx.document_ids is None else ctx.document_ids.to(device)
+
+    def visible(b, h, q_idx, kv_idx):
+        qi = q_idx + start
+        ok = kv_idx <= qi
+        if window is not None:
+            ok = ok & (qi - kv_idx < window)
+        if docs is not None:
+            ok = ok & (docs[b, qi] == docs[b, kv_idx])
+        return ok
+
+    rows = None if docs is None else docs.shape[0]
+    return _flex_fn("create_block_mask", device)(visible, rows, None, n, start + n, device=device)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, window: int | None,
+            scale: float) -> torch.Tensor:
+    """Each document of each row is a sequence of its own, packed [tokens, heads, dim]."""
+    from torch.nn.attention.varlen import varlen_attn
+    b, h, s, _ = q.shape
+    docs = ctx.document_ids if ctx.document_ids is not None else torch.zeros(b, s, dtype=torch.long)
+    docs = docs.to(q.device)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=q.device)])
+    cu = bounds.to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())  # a host read per layer; varlen needs it
+    packed = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (q, k, v)]
+    out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, enable_gqa=h != k.shape[1],
+                      window_size=(-1 if window is None else window - 1, 0))
+    return out.view(b, s, h, -1).transpose(1, 2)
 
 
 Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,19 +249,22 @@ Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class Attention(nn.Module):
     """Grouped-query attention with RoPE: n_heads query heads share n_kv_heads key/value heads.
     With `qk_norm_eps`, each query and key head is RMS-normalised before RoPE (Qwen3's QK-norm:
-    one weight of head_dim elements, shared by all heads)."""
+    one weight of head_dim elements, shared by all heads). `window`: a sliding window of that
+    many keys; `sinks`: a learned sink logit per query head (gpt-oss)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rotate: Rotation,
-                 qk_norm_eps: float | None = None):
+                 qk_norm_eps: float | None = None, window: int | None = None, sinks: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.rotate = rotate
+        self.window = window
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
         self.q_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.k_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -134,5 +275,5 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.window, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -36,6 +36,19 @@ class DecoderArgs:
     """The model's own context length (Hugging Face's max_position_embeddings) once max_seq_len
     was shrunk for training; 0: max_seq_len is it."""
     tie_embeddings: bool = False
+    sliding_window: int = 0
+    """Keys a query sees (itself included) in sliding-window layers; 0: no window."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer "full_attention" or "sliding_attention" (Hugging Face's names); empty: every
+    layer slides when sliding_window is set."""
+    attn_sinks: bool = False
+    """A learned sink logit per query head in every layer (gpt-oss)."""
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block `layer`, or None for full causal attention."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
 
 class Block(nn.Module):

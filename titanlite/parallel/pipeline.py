@@ -213,7 +213,8 @@ class PipelineStep:
     meshes: Meshes
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     opts: ParallelizeOptions
-    cp_group: dist.ProcessGroup | None
+    context: Callable[[torch.Tensor | None, torch.Tensor | None], AttnContext]
+    """(positions, document_ids) -> a micro-batch's attention context (cp group and backend bound)."""
     autocast: contextlib.AbstractContextManager
     device: torch.device
     shapes: StageShapes
@@ -238,7 +239,7 @@ class PipelineStep:
         inp = torch.empty(sh.tokens, dtype=torch.long, device="meta") if s == 0 else hidden
         out = torch.empty(sh.logits, device="meta") if s == self.plan.n_stages - 1 else hidden
         part.register_forward_pre_hook(_to_context(
-            lambda pos, docs: AttnContext(pos, docs, self.cp_group, self.opts.param_dtype)), with_kwargs=True)
+            self.context), with_kwargs=True)
         return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
                              group=self.meshes.pp.get_group())
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
@@ -33,6 +33,9 @@ class TPPlan:
     root_norms: tuple[str, ...] = ()
     block_norms: tuple[str, ...] = ()
     """Norms on the residual stream: sequence parallel with it on, else run whole on every rank."""
+    head_params: tuple[str, ...] = ()
+    """Parameters inside a block with one entry per query head (attention sinks): sharded on dim 0
+    with the heads, where a block has them."""
 
 
 def between_layout(sequence_parallel: bool) -> Placement:
@@ -133,7 +136,8 @@ def decoder_plan(between: Placement, loss_parallel: bool, qk_norm: bool = False,
             "moe.router.gate": TokenParallel(),
             "moe.shared": TokenParallel(),
         }
-    return TPPlan(root, block, root_norms=("norm",), block_norms=("attention_norm", "ffn_norm"))
+    return TPPlan(root, block, root_norms=("norm",), block_norms=("attention_norm", "ffn_norm"),
+                  head_params=("attention.sinks",))
 
 
 def wait_on_output(module: nn.Module) -> None:
@@ -199,6 +203,11 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TP
     for b in blocks.values():
         # a block holds either a dense feed-forward or a MoE layer: its plan is the entries it has
         parallelize_module(b, mesh, {n: style for n, style in block.items() if _has(b, n)})
+        for name in plan.head_params:
+            owner, _, attr = name.rpartition(".")
+            if isinstance(getattr(b.get_submodule(owner), attr, None), nn.Parameter):
+                param = getattr(b.get_submodule(owner), attr)
+                setattr(b.get_submodule(owner), attr, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
         if gather_dtype is not None:
             for n, style in block.items():
                 if isinstance(style, PrepareModuleInput) and _has(b, n):

@@ -1,0 +1,91 @@
+"""The attention seam: every mask kind under each backend against a dense reference (one process,
+cp 2, cp 2 x tp 2), training parity of a model with windows and sinks, and refusals."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from attention_parity import run as seam_parity
+from harness import REPO, TINY, assert_parity, launch, reference, spawn_ranks, train
+
+from titanlite.config import load as config_load
+from titanlite.config.preflight import preflight
+from titanlite.errors import ConfigError
+from titanlite.layers import attention as attn
+from titanlite.models.llama3 import flavors
+
+
+def test_every_kind_matches_the_dense_reference_in_one_process(monkeypatch):
+    monkeypatch.setattr(attn, "QUERY_BLOCK", 16)
+    assert seam_parity() == 0
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 1), (2, 2)])
+def test_every_kind_matches_the_dense_reference_under_cp_and_tp(cp, tp):
+    codes, output = spawn_ranks(cp * tp, [str(REPO / "tests" / "attention_parity.py"), str(cp), str(tp)], timeout=300)
+    cases = sum(1 for _ in __import__("attention_parity").cases())
+    assert output.count("worst abs diff") == cp * tp * cases and "MISMATCH" not in output, (codes, output[-4000:])
+
+
+def test_masked_blocks_hold_no_mask_of_all_keys(monkeypatch):
+    """The sdpa path's largest mask is one block of queries against the keys it may see."""
+    sizes = []
+    real = attn._sdpa
+
+    def spy(q, k, v, mask, scale):
+        sizes.append(None if mask is None else tuple(mask.shape[-2:]))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(attn, "_sdpa", spy)
+    monkeypatch.setattr(attn, "QUERY_BLOCK", 64)
+    q = torch.randn(1, 2, 1024, 8)
+    attn.attention(q, q, q, window=100)
+    assert len(sizes) == 1024 // 64 and max(n for _, n in sizes) <= 64 + 100 - 1, sizes
+    sizes.clear()
+    docs = torch.arange(1024)[None] // 128  # eight documents of 128 tokens
+    attn.attention(q, q, q, attn.AttnContext(document_ids=docs))
+    assert max(n for _, n in sizes) <= 128, sizes  # keys start at the block's document
+
+
+SWA = ["--model.flavor", "debugmodel_swa", *TINY[2:]]
+
+
+def test_windows_and_sinks_train_the_same_under_cp_and_tp(tmp_path_factory):
+    # short documents, so every 64-token sample packs several and some cross the cp chunks
+    short = [f"doc {i}: " + " ".join(str(i * j % 997) for j in range(i % 23 + 2)) for i in range(400)]
+    corpus = tmp_path_factory.mktemp("corpus") / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in short))
+    args = [*SWA, "--data.path", str(corpus), "--data.document_mask", "true"]
+    ref = reference(args)
+    plain = reference(["--model.flavor", "debugmodel", *TINY[2:], "--data.path", str(corpus),
+                       "--data.document_mask", "true"])
+    assert abs(ref.losses[0] - plain.losses[0]) > 1e-4  # windows and sinks change the model
+    for nproc, layout in [(2, ["--parallelism.context_parallel_degree", "2"]),
+                          (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"])]:
+        run = train(nproc, [*args, *layout])
+        assert_parity(ref.losses, run.losses)
+        assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
+
+
+def _refusal(args: list[str], world: int = 1) -> str:
+    cfg, _ = config_load.load(args)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, world)
+    return str(e.value)
+
+
+def test_bad_attention_input_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match="model.attn_backend"):
+        config_load.load([*TINY, "--model.attn_backend", "flash"])
+    assert "no FlexAttention backward on CPU" in _refusal([*TINY, "--model.attn_backend", "flex"])
+    assert "CUDA only" in _refusal([*TINY, "--model.attn_backend", "varlen"])
+    wide = dataclasses.replace(flavors["debugmodel_swa"], sliding_window=1 << 20)
+    monkeypatch.setitem(flavors, "debugmodel_swa", wide)
+    assert "larger than the model's context" in _refusal(SWA)
+    monkeypatch.setitem(flavors, "debugmodel_swa", dataclasses.replace(wide, sliding_window=-3))
+    assert "positive integer" in _refusal(SWA)
+    monkeypatch.setitem(flavors, "debugmodel_swa", dataclasses.replace(wide, sliding_window=8, layer_types=("x",)))
+    assert "layer_types" in _refusal(SWA)
+    run = launch(1, [*TINY, "--model.attn_backend", "flex"], timeout=120)
+    assert run.returncode != 0 and "titanlite: error: model.attn_backend flex" in run.output, run.output[-1500:]
