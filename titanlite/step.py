@@ -52,8 +52,9 @@ class PlainStep:
     model: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     loss_parallel: bool
-    context: Callable[[torch.Tensor | None, torch.Tensor | None], AttnContext]
-    """(positions, document_ids) -> the batch's attention context (cp group and backend bound)."""
+    context: Callable[..., AttnContext]
+    """(positions, document_ids, seq_len=, device=) -> the batch's attention context (cp group,
+    backend and the model's windows bound)."""
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -63,7 +64,8 @@ class PlainStep:
     gradient norm counts them once, through the original."""
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
-        ctx = self.context(batch.get("positions"), batch.get("document_ids"))
+        ids = batch["input_ids"]
+        ctx = self.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1], device=ids.device)
         with self.autocast:
             logits = self.model(batch["input_ids"], ctx)
         return self.loss_fn(logits, batch["labels"])

@@ -83,7 +83,8 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
     autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp_group = meshes.cp.get_group() if plan.dims.cp > 1 else None
-    context = functools.partial(AttnContext, cp_group=cp_group, backend=cfg.model.attn_backend)
+    windows = tuple({plan.args.window(i) for i in range(plan.args.n_layers)})
+    context = functools.partial(AttnContext, cp_group=cp_group, backend=cfg.model.attn_backend, windows=windows)
     loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
     if plan.stages is None:
         return PlainStep(parts[0], loss_fn, opts.loss_parallel, context, meshes.dp_cp.get_group(), autocast, inject)

@@ -11,8 +11,9 @@ A query at global index i sees key j iff j <= i, j is in i's document, and i - j
 Backends (`model.attn_backend`, docs/attention.md):
 - sdpa: plain causal attention is one SDPA call (flash kernels). Anything else (documents,
   windows, sinks, context-parallel chunks) runs in blocks of `QUERY_BLOCK` queries, each
-  against the keys it may see, with a boolean mask of that block alone, recomputed in backward,
-  so memory grows linearly with the sequence. A sink is one more key whose score is the sink's
+  against the keys up to its end (from its window's start), with a boolean mask of that block
+  alone, recomputed in backward, so memory grows linearly with the sequence. Key ranges never
+  depend on the data, so compiled blocks keep static shapes and the step reads nothing back. A sink is one more key whose score is the sink's
   logit and whose value is zero.
 - flex: FlexAttention, one block mask per (query chunk, window) built on first use in a batch
   and shared by every layer and by the recompute under AC; compiled on GPU. torch has no
@@ -44,9 +45,8 @@ QUERY_BLOCK x its keys."""
 
 
 class _BatchCache:
-    """What every layer of one forward shares (host-side document bounds, flex block masks).
-    Not a tensor, container or dataclass: FSDP's input casting copies the context per block and
-    keeps this by reference, so the first layer builds and the rest (and the recompute) reuse."""
+    """What every layer of one forward shares: flex's block masks. Not a tensor, container or
+    dataclass: FSDP's input casting copies the context per block and keeps this by reference."""
 
     def __init__(self) -> None:
         self.items: dict = {}
@@ -71,6 +71,11 @@ class AttnContext:
     positions are then required (each token's global position)."""
     backend: str = "sdpa"
     """"sdpa", "flex" or "varlen" (see the module doc)."""
+    windows: tuple[int | None, ...] = ()
+    seq_len: int = 0
+    device: torch.device | None = None
+    """The model's windows and this rank's sequence length and device: with them, flex's block
+    masks are built here, as the context is made (outside compiled blocks, once per batch)."""
     cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +83,10 @@ class AttnContext:
             raise ValueError("AttnContext: a cp_group needs the positions of the rank's tokens")
         if self.backend not in BACKENDS:
             raise ValueError(f"AttnContext: backend {self.backend!r} is not one of {BACKENDS}")
+        if self.backend == "flex" and self.seq_len:
+            for _, start, n in _query_chunks(self, self.seq_len):
+                for window in self.windows or (None,):
+                    _cached_block_mask(self, start, n, window, self.device)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | None = None,
@@ -105,7 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContex
     for local, start, n in _query_chunks(ctx, q.shape[2]):
         for a in range(0, n, QUERY_BLOCK):
             b = min(n, a + QUERY_BLOCK)
-            lo = _first_key(ctx, start + a, window)
+            lo = 0 if window is None else max(0, start + a - window + 1)
             # recomputed in backward: a saved mask per block would add up to [S, S]
             outs.append(checkpoint(_masked_block, q[:, :, local + a:local + b], k[:, :, lo:start + b],
                                    v[:, :, lo:start + b], start + a, lo, ctx.document_ids, window, sinks, scale,
@@ -120,23 +129,6 @@ def _query_chunks(ctx: AttnContext, local_len: int) -> list[tuple[int, int, int]
     degree, rank = dist.get_world_size(ctx.cp_group), dist.get_rank(ctx.cp_group)
     c = local_len // 2
     return [(j * c, chunk * c, c) for j, chunk in enumerate(chunks_of(rank, degree))]
-
-
-def _first_key(ctx: AttnContext, query: int, window: int | None) -> int:
-    """The first key any query from global index `query` on may see (in any batch row)."""
-    lo = 0 if window is None else max(0, query - window + 1)
-    if ctx.document_ids is not None:
-        lo = max(lo, ctx.cache.get("doc_first", lambda: _document_starts(ctx.document_ids))[query])
-    return lo
-
-
-def _document_starts(docs: torch.Tensor) -> list[int]:
-    """For each index of the sequence, the earliest start (over batch rows) of the document it
-    is in: one host read per batch, shared by every layer."""
-    idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    return torch.where(starts, idx, 0).cummax(dim=1).values.amin(dim=0).tolist()
 
 
 def _masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int,
@@ -198,7 +190,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, w
     from torch.nn.attention.flex_attention import AuxRequest
     outs = []
     for local, start, n in _query_chunks(ctx, q.shape[2]):
-        mask = ctx.cache.get(("flex", start, n, window), lambda: _block_mask(ctx, start, n, window, q.device))
+        mask = _cached_block_mask(ctx, start, n, window, q.device)
         out, aux = _flex_fn("flex_attention", q.device)(
             q[:, :, local:local + n], k[:, :, :start + n], v[:, :, :start + n], block_mask=mask, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True))
@@ -208,7 +200,12 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, w
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
-def _block_mask(ctx: AttnContext, start: int, n: int, window: int | None, device: torch.device):
+def _cached_block_mask(ctx: AttnContext, start: int, n: int, window: int | None, device: torch.device | None):
+    """The block mask of queries [start, start + n) against keys [0, start + n), built once a batch."""
+    return ctx.cache.get(("flex", start, n, window), lambda: _block_mask(ctx, start, n, window, device))
+
+
+def _block_mask(ctx: AttnContext, start: int, n: int, window: int | None, device: torch.device | None):
     docs = None if ctx.document_ids is None else ctx.document_ids.to(device)
 
     def visible(b, h, q_idx, kv_idx):

@@ -81,10 +81,12 @@ def _checkpoint(block: nn.Module, context_fn: Callable[[], tuple] = noop_context
     rather than the block wrapped, so parameter names (and checkpoints) stay those of the
     single-device model, and FSDP's and compile's hooks stay on the block itself."""
     forward = block.forward
+    # compile traces a context_fn it is handed, but not torch's default one held in a closure
+    # (torch 2.15: "checkpoint not implemented for LazyVariableTracker context_fn"): pass none then
+    options = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
 
     def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn,
-                          **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options, **kwargs)
     block.forward = checkpointed
 
 

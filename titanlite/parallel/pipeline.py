@@ -168,7 +168,9 @@ def _to_context(make_ctx: Callable) -> Callable:
     """A forward pre-hook: a stage is called as part(x, positions=..., document_ids=...) (the
     schedule chunks keyword tensors along the batch, for every stage); the model wants part(x, ctx)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (args[0], make_ctx(kwargs.get("positions"), kwargs.get("document_ids"))), {}
+        x = args[0]
+        return (x, make_ctx(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
+                            device=x.device)), {}
     return hook
 
 
@@ -213,8 +215,8 @@ class PipelineStep:
     meshes: Meshes
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     opts: ParallelizeOptions
-    context: Callable[[torch.Tensor | None, torch.Tensor | None], AttnContext]
-    """(positions, document_ids) -> a micro-batch's attention context (cp group and backend bound)."""
+    context: Callable[..., AttnContext]
+    """(positions, document_ids, seq_len=, device=) -> a micro-batch's attention context."""
     autocast: contextlib.AbstractContextManager
     device: torch.device
     shapes: StageShapes
