@@ -90,3 +90,18 @@ def test_bad_attention_input_is_refused_in_one_line(monkeypatch):
     assert "layer_types" in _refusal(SWA)
     run = launch(1, [*TINY, "--model.attn_backend", "flex"], timeout=120)
     assert run.returncode != 0 and "titanlite: error: model.attn_backend flex" in run.output, run.output[-1500:]
+
+
+def test_the_dry_run_traces_flex_as_sdpa_and_says_so(capsys):
+    from titanlite.dryrun.run import dry_run, print_table, report
+    from titanlite.dryrun.hardware import GPUS
+
+    cp2 = [*TINY, "--parallelism.context_parallel_degree", "2"]
+    cfg, _ = config_load.load([*cp2, "--model.attn_backend", "flex"])
+    rep = report(dry_run(cfg, 2), GPUS["h100"])
+    assert rep["config"]["attn_backend"] == "flex" and rep["roles"][0]["memory_gib"]["peak"] > 0
+    print_table(rep)
+    assert "model.attn_backend flex traced as sdpa" in capsys.readouterr().out
+    cfg, _ = config_load.load([*cp2, "--model.attn_backend", "varlen"])
+    with pytest.raises(ConfigError, match="varlen does not split documents over context parallel"):
+        dry_run(cfg, 2)
