@@ -10,9 +10,12 @@ Where the definitions differ from torch.optim.Muon (checked below with the diffe
   a device flag (found_inf) skips a step without a host sync.
 """
 
+import shutil
+
 import torch
 import torch.nn as nn
 from harness import TINY, assert_grad_parity, assert_parity, reference, train
+from test_checkpoint import assert_same_tensors, hooked
 
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.optim.muon import Muon, split_params
@@ -94,3 +97,30 @@ def test_muon_losses_under_fsdp_and_tp_match_one_process():
     ref = reference([*MUON, "--training.local_batch_size", "8"])
     run = train(4, [*MUON, "--parallelism.tensor_parallel_degree", "2"])
     assert_parity(ref.losses, run.losses)
+
+
+def _ckpt_job(nproc: int, steps: int, *extra: str) -> list[str]:
+    # constant LR after warm-up: a 6-step job is the first two thirds of a 9-step one
+    return [*MUON, "--lr_scheduler.decay_ratio", "0", "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--training.steps", str(steps), "--training.local_batch_size", str(8 // nproc), *extra]
+
+
+def test_muon_resumes_bitwise_and_its_momentum_reshards(tmp_path):
+    """tp 2 saves steps 3, 6, 9; tp 2 resumes step 6 bit for bit; dp 2 loads the tp 2 step 3 and dp 1
+    the dp 2 step 6 with the same tensors (re-saved right after loading) and the same losses."""
+    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
+    straight = train(2, _ckpt_job(2, 9, *tp2), dump=tmp_path / "straight")
+    src = tmp_path / "straight" / "checkpoint"
+    shutil.copytree(src / "step-6", tmp_path / "resumed" / "checkpoint" / "step-6")
+    resumed = train(2, _ckpt_job(2, 9, *tp2), dump=tmp_path / "resumed")
+    assert resumed.losses == straight.losses[6:]
+    assert_same_tensors(src / "step-9", tmp_path / "resumed" / "checkpoint" / "step-9")
+
+    shutil.copytree(src / "step-3", tmp_path / "dp2" / "checkpoint" / "step-3")
+    dp2 = hooked(2, _ckpt_job(2, 6), tmp_path / "dp2", "resave")
+    assert_same_tensors(src / "step-3", tmp_path / "dp2" / "checkpoint-resaved" / "step-3")
+    shutil.copytree(tmp_path / "dp2" / "checkpoint" / "step-6", tmp_path / "dp1" / "checkpoint" / "step-6")
+    dp1 = hooked(1, _ckpt_job(1, 9), tmp_path / "dp1", "resave")
+    assert_same_tensors(tmp_path / "dp2" / "checkpoint" / "step-6", tmp_path / "dp1" / "checkpoint-resaved" / "step-6")
+    for want, got in zip(straight.losses[3:], dp2.losses + dp1.losses, strict=True):
+        assert abs(got - want) / want <= 1e-4, (straight.losses, dp2.losses, dp1.losses)
