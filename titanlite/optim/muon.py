@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement, Shard
 
@@ -60,6 +61,31 @@ def _whole_matrices(placements: tuple[Placement, ...], batch_dims: int) -> list[
     return [pl if pl.is_shard() and pl.dim < batch_dims else Shard(0) for pl in placements]
 
 
+def _sizes(total: int, parts: int) -> list[int]:
+    """torch.chunk's sizes (as a Shard placement cuts a dim), zeros for ranks past the end."""
+    step = -(-total // parts)
+    return [max(0, min(step, total - i * step)) for i in range(parts)]
+
+
+def _orthogonalise_1d(stack: DTensor, dim: int, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The one-mesh-dim case (FSDP alone, TP alone) as two all-to-alls: DTensor's own redistribute
+    turns an all-to-all into an all-gather on a CPU mesh (gloo has none), which would put every
+    matrix on every rank, and the dry run, which traces on CPU meshes, would count that."""
+    group, ranks, me = stack.device_mesh.get_group(), stack.device_mesh.size(), stack.device_mesh.get_local_rank()
+    local = stack.to_local()
+    counts = [len(c) for c in torch.arange(local.shape[0]).tensor_split(ranks)]  # matrices per owner
+    widths = _sizes(stack.shape[dim], ranks)  # each rank's share of the sharded matrix dim
+    rest = math.prod(local.shape[1:dim]) * math.prod(local.shape[dim + 1:])  # elements per unit of width
+    received = [counts[me] * w * rest for w in widths]
+    sent = [c * local.shape[dim] * rest for c in counts]
+    got = funcol.all_to_all_single(local.flatten(), received, sent, group)
+    mine = torch.cat([piece.view(counts[me], *local.shape[1:dim], w, *local.shape[dim + 1:])
+                      for piece, w in zip(got.split(received), widths)], dim)
+    done = newton_schulz(mine.flatten(0, -3), steps, dtype).view(mine.shape)
+    back = funcol.all_to_all_single(torch.cat([p.flatten() for p in done.split(widths, dim)]), sent, received, group)
+    return back.view(local.shape)
+
+
 def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Newton-Schulz of same-shaped, same-placed updates (matrices or stacks of experts), each
     matrix computed by one rank; returns local tensors shaped as the inputs' local shards."""
@@ -67,6 +93,8 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -
     if not isinstance(stack, DTensor):
         return list(newton_schulz(stack.flatten(0, -3), steps, dtype).view(stack.shape).unbind(0))
     mesh, placements = stack.device_mesh, stack.placements
+    if mesh.ndim == 1 and type(placements[0]) is Shard and placements[0].dim >= stack.ndim - 2:
+        return list(_orthogonalise_1d(stack, placements[0].dim, steps, dtype).unbind(0))
     spread = stack.redistribute(mesh, _whole_matrices(placements, stack.ndim - 2))
     local = spread.to_local()
     done = newton_schulz(local.flatten(0, -3), steps, dtype).view(local.shape)
