@@ -9,12 +9,11 @@ adjust_lr_fn="match_rms_adamw", Moonlight's RMS matching):
     W <- W * (1 - lr * weight_decay) - lr * 0.2 * sqrt(max(A, B)) * O
 
 Sharded matrices (FSDP, TP, HSDP, EP and their products) are not gathered on every rank: the
-momentum updates of same-shaped matrices are stacked into one DTensor, whose sharding is moved
-off the matrix dims onto the stacking dim (DTensor.redistribute: an all-to-all on each mesh dim
-that shards a matrix dim, a local slice on each that replicates it). Every rank then holds a
-share of the matrices whole, orthogonalises them, and the reverse redistribute sends each its
-shards back. Expert weights [n_experts, A, B] stack to [n, n_experts, A, B]; a mesh dim that
-already shards the experts keeps doing so, so each expert matrix is orthogonalised by one rank.
+momentum updates of same-shaped matrices are stacked, each rank receives a share of them whole
+(an all-to-all over each mesh dim that cuts a matrix dim, a slice over each that replicates it),
+orthogonalises them, and the reverse collectives send each rank its shards of the results.
+Expert weights [n_experts, A, B] stack to [n, n_experts, A, B]; a mesh dim that shards the
+experts keeps doing so, so each expert matrix is orthogonalised by one rank.
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -55,52 +55,86 @@ def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     return (x.mT if tall else x).to(u.dtype)
 
 
-def _whole_matrices(placements: tuple[Placement, ...], batch_dims: int) -> list[Placement]:
-    """Placements with no mesh dim sharding the last two (matrix) dims: a mesh dim that shards a
-    batch dim keeps it; every other one shards the stacking dim 0 instead."""
-    return [pl if pl.is_shard() and pl.dim < batch_dims else Shard(0) for pl in placements]
-
-
 def _sizes(total: int, parts: int) -> list[int]:
     """torch.chunk's sizes (as a Shard placement cuts a dim), zeros for ranks past the end."""
     step = -(-total // parts)
     return [max(0, min(step, total - i * step)) for i in range(parts)]
 
 
-def _orthogonalise_1d(stack: DTensor, dim: int, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """The one-mesh-dim case (FSDP alone, TP alone) as two all-to-alls: DTensor's own redistribute
-    turns an all-to-all into an all-gather on a CPU mesh (gloo has none), which would put every
-    matrix on every rank, and the dry run, which traces on CPU meshes, would count that."""
-    group, ranks, me = stack.device_mesh.get_group(), stack.device_mesh.size(), stack.device_mesh.get_local_rank()
-    local = stack.to_local()
-    counts = [len(c) for c in torch.arange(local.shape[0]).tensor_split(ranks)]  # matrices per owner
-    widths = _sizes(stack.shape[dim], ranks)  # each rank's share of the sharded matrix dim
-    rest = math.prod(local.shape[1:dim]) * math.prod(local.shape[dim + 1:])  # elements per unit of width
+def _owners(n: int, parts: int) -> list[int]:
+    """How many of n matrices each of `parts` ranks orthogonalises."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def _matrix_shards(stack: DTensor) -> list[tuple[int, int, int]]:
+    """The mesh dims that cut the matrix dims, as (mesh dim, tensor dim, that dim's size before
+    the cut) in the order to undo them: the reverse of the order they were applied in, which is
+    mesh order except that a strided shard (FSDP over a tensor-parallel weight) cuts last."""
+    mesh, coord, placements = stack.device_mesh, stack.device_mesh.get_coordinate(), stack.placements
+    cuts = []
+    for d in (stack.ndim - 2, stack.ndim - 1):
+        # getattr: a strided shard is no Shard subclass, but has a dim too
+        on_d = [m for m, pl in enumerate(placements) if getattr(pl, "dim", None) == d]
+        size = stack.shape[d]
+        for m in sorted(on_d, key=lambda m: (type(placements[m]) is not Shard, m)):
+            cuts.append((m, d, size))
+            size = _sizes(size, mesh.size(m))[coord[m]]
+    return cuts[::-1]
+
+
+def _gather_cut(local: torch.Tensor, group, me: int, d: int, parent: int) -> tuple[torch.Tensor, tuple]:
+    """All-to-all over one mesh dim cutting tensor dim d: each rank gets its share of the stack
+    with dim d whole (as it was before the cut); returns it and what _scatter_cut needs."""
+    ranks = dist.get_world_size(group)
+    counts, widths = _owners(local.shape[0], ranks), _sizes(parent, ranks)
+    rest = math.prod(local.shape[1:d]) * math.prod(local.shape[d + 1:])  # elements per unit of width
     received = [counts[me] * w * rest for w in widths]
-    sent = [c * local.shape[dim] * rest for c in counts]
+    sent = [c * local.shape[d] * rest for c in counts]
     got = funcol.all_to_all_single(local.flatten(), received, sent, group)
-    mine = torch.cat([piece.view(counts[me], *local.shape[1:dim], w, *local.shape[dim + 1:])
-                      for piece, w in zip(got.split(received), widths)], dim)
-    done = newton_schulz(mine.flatten(0, -3), steps, dtype).view(mine.shape)
-    back = funcol.all_to_all_single(torch.cat([p.flatten() for p in done.split(widths, dim)]), sent, received, group)
-    return back.view(local.shape)
+    whole = torch.cat([piece.view(counts[me], *local.shape[1:d], w, *local.shape[d + 1:])
+                       for piece, w in zip(got.split(received), widths)], d)
+    return whole, (group, d, widths, sent, received, local.shape)
+
+
+def _scatter_cut(done: torch.Tensor, group, d: int, widths: list[int], sent: list[int], received: list[int],
+                 shape: torch.Size) -> torch.Tensor:
+    """The reverse of _gather_cut: each rank's shard of every matrix back to it."""
+    pieces = torch.cat([p.flatten() for p in done.split(widths, d)])
+    return funcol.all_to_all_single(pieces, sent, received, group).view(shape)
 
 
 def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Newton-Schulz of same-shaped, same-placed updates (matrices or stacks of experts), each
-    matrix computed by one rank; returns local tensors shaped as the inputs' local shards."""
+    matrix computed by one rank; returns local tensors shaped as the inputs' local shards.
+
+    A mesh dim that replicates the matrices splits the stack (its ranks each take a share, an
+    all-gather returns the results); one that cuts a matrix dim trades shards of all matrices
+    for whole ones of a share (an all-to-all each way); one that shards the experts keeps them.
+    DTensor.redistribute would do the same on NCCL, but turns each all-to-all into an all-gather
+    on a CPU mesh (gloo has none), putting every matrix on every rank (and the dry run, which
+    traces on CPU meshes, would count that)."""
     stack = torch.stack(updates)
     if not isinstance(stack, DTensor):
         return list(newton_schulz(stack.flatten(0, -3), steps, dtype).view(stack.shape).unbind(0))
-    mesh, placements = stack.device_mesh, stack.placements
-    if mesh.ndim == 1 and type(placements[0]) is Shard and placements[0].dim >= stack.ndim - 2:
-        return list(_orthogonalise_1d(stack, placements[0].dim, steps, dtype).unbind(0))
-    spread = stack.redistribute(mesh, _whole_matrices(placements, stack.ndim - 2))
-    local = spread.to_local()
+    mesh, local = stack.device_mesh, stack.to_local()
+    coord = mesh.get_coordinate()
+    shares = []
+    for m in [m for m, pl in enumerate(stack.placements) if pl.is_replicate()]:
+        counts = _owners(local.shape[0], mesh.size(m))
+        shares.append((m, counts))
+        local = local.split(counts)[coord[m]]
+    cuts = []
+    for m, d, parent in _matrix_shards(stack):
+        local, undo = _gather_cut(local, mesh.get_group(m), coord[m], d, parent)
+        cuts.append(undo)
     done = newton_schulz(local.flatten(0, -3), steps, dtype).view(local.shape)
-    back = DTensor.from_local(done, mesh, spread.placements, run_check=False, shape=stack.shape,
-                              stride=stack.stride()).redistribute(mesh, placements)
-    return list(back.to_local().unbind(0))
+    for undo in reversed(cuts):
+        done = _scatter_cut(done, *undo)
+    for m, counts in reversed(shares):
+        padded = torch.cat([done, done.new_zeros(max(counts) - done.shape[0], *done.shape[1:])])
+        gathered = funcol.all_gather_tensor(padded, 0, mesh.get_group(m)).split(max(counts))
+        done = torch.cat([g[:c] for g, c in zip(gathered, counts)])
+    return list(done.unbind(0))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
