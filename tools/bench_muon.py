@@ -9,11 +9,19 @@ or below Muon's final one: its LR decays over M steps, the run a user would make
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
+
+from titanlite.config import load as config_load
+from titanlite.model_spec import get_model_spec, model_args
+from titanlite.optim import build_optimizers
 
 
 def _run(args: list[str], ngpu: int, dump: Path) -> list[tuple[int, float]]:
@@ -31,7 +39,28 @@ def _flag(argv: list[str], name: str, default: int) -> tuple[int, list[str]]:
     return int(argv[i + 1]), argv[:i] + argv[i + 2:]
 
 
+def optimizer_step_ms(argv: list[str], name: str, repeats: int = 20) -> float:
+    cfg, _ = config_load.load(argv)
+    spec = get_model_spec(cfg.model.name)
+    model = spec.build(model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len))
+    model.init_weights(cfg.training.seed)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opts = build_optimizers([model], dataclasses.replace(cfg.optimizer, name=name), cfg.lr_scheduler, cfg.training.steps)
+    times = []
+    for _ in range(3 + repeats):
+        start = time.perf_counter()
+        opts.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times[3:])
+
+
 def main(argv: list[str]) -> None:
+    if "--optimizer-step" in argv:
+        argv = [a for a in argv if a != "--optimizer-step"]
+        ms = {name: optimizer_step_ms(argv, name) for name in ("AdamW", "Muon")}
+        print(json.dumps({"optimizer_step_ms": ms, "threads": torch.get_num_threads()}))
+        return
     steps, argv = _flag(argv, "--steps", 100)
     adamw_steps, argv = _flag(argv, "--adamw-steps", 3 * steps)
     ngpu, argv = _flag(argv, "--ngpu", 1)
