@@ -2,11 +2,12 @@
 
 Run as N ranks (tests/harness.assert_grad_parity starts them; by hand: `python -m
 torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL LAYOUT [+ LAYOUT ...]`), a
-LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N]` (nosp: tensor parallel without sequence parallel;
-ep=N: expert parallel; rep=N: N HSDP replicas) or `pp PP DP_SHARD TP SCHEDULE [ep=N]` for pipeline
-stages; several layouts share one launch. Every rank builds the single-device model too and
-compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient is
-never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
+LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N] [muon]` (nosp: tensor parallel without sequence
+parallel; ep=N: expert parallel; rep=N: N HSDP replicas; muon: also one Muon step, each parameter's
+update compared) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages; several layouts
+share one launch. Every rank builds the single-device model too and compares each full gradient;
+loss-curve parity alone can miss a small parameter whose gradient is never reduced across ranks
+(e.g. a replicated norm weight under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanlite.layers.attention import AttnContext
-from titanlite.config.job import ActivationCheckpoint, Compile, Parallelism
+from titanlite.config.job import ActivationCheckpoint, Compile, LRScheduler, Optimizer, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, loss_context
 from titanlite.model_spec import get_model_spec, model_args
@@ -29,10 +30,34 @@ from titanlite.layers import init
 from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
+from titanlite.optim import build_optimizers
+from titanlite.optim import muon as muon_impl
+
+
+def updates(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Each parameter's whole change in one Muon (and AdamW) step, keyed by name."""
+    def whole(p: torch.Tensor) -> torch.Tensor:  # a copy: a replicated DTensor's full_tensor() is its storage
+        return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+    before = {n: whole(p) for part in parts for n, p in part.named_parameters()}
+    build_optimizers(parts, Optimizer(name="Muon"), LRScheduler(warmup_steps=0), 10).step()
+    return {n: whole(p) - before[n] for part in parts for n, p in part.named_parameters()}
+
+
+def count_orthogonalised(fn):
+    """Wrap Newton-Schulz to count the matrices this rank orthogonalises."""
+    def counted(u: torch.Tensor, *args) -> torch.Tensor:
+        count_orthogonalised.n += u.shape[0]
+        return fn(u, *args)
+    return counted
+
+
+count_orthogonalised.n = 0
+muon_impl.newton_schulz = count_orthogonalised(muon_impl.newton_schulz)
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1, rep: int = 1) -> bool:
+         ep: int = 1, rep: int = 1, muon: bool = False) -> bool:
     dims = ParallelDims(rep, dp_shard, 1, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
@@ -73,18 +98,36 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])
 
-    worst = {}
+    worst, gathered = {}, {}
     expected = dict(ref.named_parameters(remove_duplicate=False))
     for pname, p in ((n, p) for part in parts for n, p in part.named_parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = expected[pname].grad
         worst[pname] = ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        gathered[pname] = g
     # the global gradient norm, each shard counted once among the ranks of a stage
     sq = local_grad_sq([p for part in parts for p in part.parameters() if all(p is not m for m in mirrors)],
                        meshes.stage_ranks)
     dist.all_reduce(sq)
     want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     worst["grad_norm"] = (abs(sq.sqrt() - want_norm) / want_norm).item()
+    if muon:
+        # the single-device optimizer on the same (gathered) gradients: an update is as sensitive
+        # as Newton-Schulz or Adam's first step make it to the gradients' rounding, checked above
+        for pname, g in gathered.items():
+            expected[pname].grad = g.clone()
+        want_step = updates([ref])
+        matrices = count_orthogonalised.n
+        count_orthogonalised.n = 0
+        got_step = updates(parts)
+        # every matrix once over all ranks: a pipeline stage's ranks count their stage's matrices
+        counts = torch.tensor([count_orthogonalised.n, matrices if dist.get_rank() == 0 else 0])
+        count_orthogonalised.n = 0
+        dist.all_reduce(counts)
+        worst["matrices orthogonalised more than once"] = float(counts[0] != counts[1])
+        for pname, got in got_step.items():
+            want = want_step[pname]
+            worst[f"update {pname}"] = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
     bad = {k: v for k, v in worst.items() if v > 1e-5}
     print(f"rank {dist.get_rank()}: {len(worst)} gradients, worst relative diff {max(worst.values()):.2e}"
           + (f"; MISMATCH {bad}" if bad else ""), flush=True)
@@ -94,11 +137,11 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
 
 def run_layout(name: str, words: list[str]) -> bool:
-    flags = [w for w in words if "=" in w or w == "nosp"]
+    flags = [w for w in words if "=" in w or w in ("nosp", "muon")]
     ep, rep = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), 1) for k in ("ep=", "rep="))
     if words[0] == "pp":
-        return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep)
-    return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep)
+        return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep, muon="muon" in flags)
+    return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep, muon="muon" in flags)
 
 
 if __name__ == "__main__":

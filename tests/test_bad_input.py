@@ -99,6 +99,12 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "ac_mode": (["--activation_checkpoint.mode", "sometimes"], {}, "activation_checkpoint.mode: 'sometimes'"),
         "reshard": (["--parallelism.fsdp_reshard_after_forward", "maybe"], {}, "parallelism.fsdp_reshard_after_forward"),
         "adamw_impl": (["--optimizer.implementation", "apex"], {}, "optimizer.implementation: 'apex' is not one of"),
+        "muon_group": (["--optimizer.name", "Muon", "--optimizer.muon_groups", "attention,embeddings"], {},
+                       "optimizer.muon_groups: 'embeddings' is not one of attention, feed_forward, experts"),
+        "muon_momentum": (["--optimizer.name", "Muon", "--optimizer.muon_momentum", "1.0"], {},
+                          "optimizer.muon_momentum must be in [0, 1), got 1.0"),
+        "muon_ns_steps": (["--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"], {},
+                          "optimizer.muon_ns_steps must be >= 1 (5 is usual), got 0"),
         "on_nonfinite": (["--training.on_nonfinite", "ignore"], {}, "training.on_nonfinite: 'ignore' is not one of"),
         "no_cuda": (["--training.device", "cuda"], {}, "training.device: cuda requested but no CUDA device"),
         # impossible layouts and shapes

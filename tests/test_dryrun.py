@@ -305,3 +305,19 @@ def test_run_train_refuses_a_job_that_cannot_fit(tmp_path):
                            "--job.dump_folder", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           env=_env(None) | {k: env[k] for k in ("OMP_NUM_THREADS",)}, timeout=300)
     assert proc.returncode == 0 and proc.stderr.startswith("titanlite: warning: the estimated per-rank peak"), proc.stderr
+
+
+def test_muon_moves_each_rank_its_shards_once_each_way():
+    """dp 2 x tp 2: Muon's optimizer step sends its local shards of the block matrices (bf16) by one
+    all-to-all over each mesh dim that cuts them and gets as much back by another; nothing is
+    all-gathered."""
+    cfg, _ = config.load(["--config", "debug_model.toml", "--training.seq_len", "64", "--optimizer.name", "Muon",
+                          "--parallelism.tensor_parallel_degree", "2"])
+    (role,) = dry_run(cfg, 4, full=True)["_roles"]
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        matrices = [p for n, p in spec.build(spec.flavors["debugmodel"]).named_parameters()
+                    if n.startswith("layers.") and p.ndim == 2]
+    shard_bytes = sum(p.numel() for p in matrices) // 4 * 2
+    optimizer = {(kind, g): c["bytes"] for (kind, g, phase), c in role.comms.items() if phase == "optimizer"}
+    assert optimizer == {("all_to_all", "dp_shard_cp"): 2 * shard_bytes, ("all_to_all", "tp"): 2 * shard_bytes}

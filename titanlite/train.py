@@ -118,7 +118,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     dtype = param_dtype(t.mixed_precision_param, device)
     opts = parallelize_options(cfg, dims, dtype)
     parts = build_parts(plan, meshes, opts, device, t.seed)
-    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
+    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
     fused_optimizer = cfg.optimizer.implementation == "fused"
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,

@@ -115,12 +115,17 @@ class Parallelism:
     """The last stage gets this many fewer blocks than the others, for its norm and output layer."""
 
 
+MUON_GROUPS = ("attention", "feed_forward", "experts")
+"""The block matrices optimizer.muon_groups may name (titanlite.optim.muon.muon_group sorts them)."""
+
+
 @dataclass(frozen=True)
 class Optimizer:
     name: str = "AdamW"
-    """Only AdamW is supported."""
+    """AdamW, or Muon: Muon updates the 2-D matrices of the groups in muon_groups, AdamW (lr,
+    betas, eps, weight_decay below) the rest (embeddings, output, norms, biases, router gates)."""
     lr: float = 8e-4
-    """Peak learning rate."""
+    """Peak learning rate (with Muon: of the AdamW group)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -128,7 +133,21 @@ class Optimizer:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay."""
+    """Decoupled weight decay (with Muon: of the AdamW group)."""
+    muon_lr: float = -1.0
+    """Muon's peak learning rate; -1 takes optimizer.lr (Muon's update is scaled to AdamW's RMS,
+    0.2 x sqrt(max(rows, cols)), so AdamW's learning rate carries over)."""
+    muon_weight_decay: float = -1.0
+    """Muon's decoupled weight decay; -1 takes optimizer.weight_decay."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (an exponential average of the gradients), in [0, 1)."""
+    muon_nesterov: bool = True
+    """Orthogonalise the Nesterov look-ahead of the momentum instead of the momentum itself."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)."""
+    muon_groups: list[str] = field(default_factory=lambda: ["attention", "feed_forward", "experts"])
+    """Block matrices Muon updates: attention (projections), feed_forward (dense MLP), experts
+    (each MoE expert's matrices, one at a time); the rest go to AdamW."""
     implementation: str = "fused"
     """fused (one kernel per step for all parameters) or foreach (a few multi-tensor kernels
     per update term; each reads and writes the whole optimizer state again)."""

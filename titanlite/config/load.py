@@ -15,7 +15,7 @@ import os
 import typing
 from pathlib import Path
 
-from titanlite.config.job import Data, JobConfig, Validation
+from titanlite.config.job import MUON_GROUPS, Data, JobConfig, Validation
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -214,7 +214,18 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
-    _choice("optimizer.name", cfg.optimizer.name, ("AdamW",))
+    _choice("optimizer.name", cfg.optimizer.name, ("AdamW", "Muon"))
+    for group in o.muon_groups:
+        _choice("optimizer.muon_groups", group, MUON_GROUPS)
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+    if o.muon_ns_steps < 1:
+        raise ConfigError(f"optimizer.muon_ns_steps must be >= 1 (5 is usual), got {o.muon_ns_steps}")
+    if o.muon_lr <= 0 and o.muon_lr != -1:
+        raise ConfigError(f"optimizer.muon_lr must be > 0 or -1 (optimizer.lr), got {o.muon_lr}")
+    if o.muon_weight_decay < 0 and o.muon_weight_decay != -1:
+        raise ConfigError("optimizer.muon_weight_decay must be >= 0 or -1 (optimizer.weight_decay), "
+                          f"got {o.muon_weight_decay}")
     _choice("optimizer.implementation", cfg.optimizer.implementation, ("fused", "foreach"))
     _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
     _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))

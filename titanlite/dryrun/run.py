@@ -159,7 +159,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         for part in parts:
             part.to_empty(device="cpu")
             part.train()
-        optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps)
+        optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)

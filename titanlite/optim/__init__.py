@@ -1,6 +1,7 @@
-"""AdamW and the warmup-stable-decay learning-rate schedule, for a list of model parts.
+"""AdamW (or Muon and AdamW) and the warmup-stable-decay learning-rate schedule, for a list of
+model parts.
 
-Each part gets its own AdamW and schedule: torch's checkpoint helpers map an optimizer's
+Each part gets its own optimizers and schedules: torch's checkpoint helpers map an optimizer's
 state to the parameter names of one module, and names are what let a checkpoint load on
 another pipeline layout. They step together; to the loop they are one optimizer.
 """
@@ -17,18 +18,20 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config.job import LRScheduler, Optimizer
+from titanlite.optim.muon import Muon, split_params
 
 
 @dataclass
 class Optimizers:
-    """One AdamW and one LR schedule per model part, used as one."""
+    """Optimizers and LR schedules, used as one; optimizers[i] updates parameters of parts[i]
+    (a part appears once per optimizer it has: with Muon, once for Muon and once for AdamW)."""
 
     parts: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[LambdaLR]
 
     def step(self, found_inf: torch.Tensor | None = None) -> None:
-        """`found_inf` (fused AdamW only): a device flag, 1.0 skips the update on the device."""
+        """`found_inf` (fused AdamW and Muon): a device flag, 1.0 skips the update on the device."""
         for opt in self.optimizers:
             if found_inf is not None:
                 opt.found_inf = found_inf
@@ -56,12 +59,33 @@ def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int) -> Optimizers:
+def _adamw(params: list[nn.Parameter], cfg: Optimizer) -> torch.optim.AdamW:
     fused = cfg.implementation == "fused"
     # a param group per mesh: each group is one fused/foreach update
-    opts = [torch.optim.AdamW([{"params": ps} for ps in by_mesh(list(part.parameters()))], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                              weight_decay=cfg.weight_decay, fused=fused, foreach=not fused) for part in parts]
-    return Optimizers(parts, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
+    return torch.optim.AdamW([{"params": ps} for ps in by_mesh(params)], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused, foreach=not fused)
+
+
+def _muon(params: list[nn.Parameter], cfg: Optimizer, ns_dtype: torch.dtype) -> Muon:
+    return Muon(params, lr=cfg.lr if cfg.muon_lr == -1 else cfg.muon_lr,
+                weight_decay=cfg.weight_decay if cfg.muon_weight_decay == -1 else cfg.muon_weight_decay,
+                momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                ns_dtype=ns_dtype)
+
+
+def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int,
+                     ns_dtype: torch.dtype = torch.float32) -> Optimizers:
+    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU)."""
+    owners, opts = [], []
+    for part in parts:
+        muon, adamw = split_params(part, cfg.muon_groups) if cfg.name == "Muon" else ([], list(part.parameters()))
+        if muon:
+            owners.append(part)
+            opts.append(_muon(muon, cfg, ns_dtype))
+        if adamw:  # a pipeline stage may hold only Muon's kind
+            owners.append(part)
+            opts.append(_adamw(adamw, cfg))
+    return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
 
 
 def warmup_steps(cfg: LRScheduler, total_steps: int) -> int:
