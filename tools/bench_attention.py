@@ -57,7 +57,7 @@ def _peak_bytes(fn) -> int:
         fn()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.cpu_memory_usage
+        live += event.self_cpu_memory_usage  # self: a parent op also counts its children's
         peak = max(peak, live)
     return peak
 
