@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite.config import load as config_load
 
-from titanlite.dryrun import hardware
+from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
@@ -49,10 +49,6 @@ from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
 from titanlite.config.preflight import Plan, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
-
-# The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
-OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
-
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
@@ -211,7 +207,7 @@ class Role:
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
-    times: dict[str, hardware.StepTimes]
+    times: dict[str, timing.StepTimes]
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
 
@@ -225,15 +221,7 @@ def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
     that can hide behind it) and the rest."""
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
-    times = {}
-    for gpu in hardware.GPUS.values():
-        def comm_s(cs: list, overlapped: bool) -> float:
-            return sum(hardware.comm_seconds(c.kind, c.bytes, c.ranks, gpu) for c in cs
-                       if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped)
-
-        cb, ob = hardware.compute_seconds(tr.block_ops, gpu) / period, comm_s(tr.block_comms, True) / period
-        times[gpu.name] = hardware.StepTimes(cb, hardware.compute_seconds(tr.ops, gpu) - n * cb, ob,
-                                             comm_s(tr.comms, True) - n * ob, comm_s(tr.comms, False), n)
+    times = {gpu.name: timing.step_times(tr, n, period, gpu) for gpu in hardware.GPUS.values()}
     return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
 
 
