@@ -375,15 +375,18 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
     print(f"titanlite: warning: {msg}", file=sys.stderr)
 
 
-def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts, rest, i = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}, [], 0
+def split_flags(argv: list[str], opts: dict, switches: tuple[str, ...] = ()) -> list[str]:
+    """Set opts[key] from each `--key value` or `--key=value` whose key (dashes as underscores)
+    `opts` has, and to True for each of `switches` (flags without a value); return the other
+    arguments (the config's)."""
+    rest, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         key = name[2:].replace("-", "_")
-        if name == "--full":
+        if name in switches:
             if eq:
-                raise ConfigError(f"--full takes no value, got '{argv[i]}'; write --full")
-            opts["full"] = True
+                raise ConfigError(f"{name} takes no value, got '{argv[i]}'; write {name}")
+            opts[key] = True
         elif name.startswith("--") and key in opts:
             if not eq:
                 if i + 1 >= len(argv):
@@ -393,6 +396,12 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(argv[i])
         i += 1
+    return rest
+
+
+def _parse(argv: list[str]) -> tuple[dict, list[str]]:
+    opts = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}
+    rest = split_flags(argv, opts, ("--full",))
     for key in ("ngpu", "rank", "check_memory"):
         if opts[key] is not None and not opts[key].isdigit():
             raise ConfigError(f"--{key.replace('_', '-')}: expected a non-negative integer, got '{opts[key]}'")
