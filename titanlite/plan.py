@@ -139,8 +139,10 @@ def bound(lay: Layout, plan: Plan, seq_len: int, gpu: hardware.GPU, gpus_per_nod
     ffn = getattr(args, "ffn_hidden", 0) or 0
     saved = args.n_layers / lay.pp * in_flight * tokens * 2 * (d * args.dim + f * ffn) / lay.tp
     # fp32 parameters and gradients, AdamW's two moments: 16 bytes per parameter, sharded; one
-    # block (or the embedding or output layer) gathered in bf16 with its fp32 gradient; the logits
-    gathered = 6 * max(block, vocab) if shard > 1 else 0.0
+    # block (or the embedding or output layer) gathered in bf16 with its fp32 gradient, or under
+    # a pipeline the whole stage in bf16 with its bf16 gradients (FSDP keeps it gathered for
+    # every micro-batch and reduces the gradients after the last); the logits
+    gathered = 0.0 if shard == 1 else 4 * stage_params if lay.pp > 1 else 6 * max(block, vocab)
     peak = 16 * stage_params / shard + gathered + saved + tokens * args.vocab_size / lay.tp * 2
     step_tokens = plan.global_batch_size * seq_len
     compute = (plan.spec.flops_per_token(args, seq_len) * step_tokens / ngpu * _RECOMPUTE[lay.ac]
