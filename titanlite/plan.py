@@ -90,16 +90,14 @@ def layouts(plan: Plan, ngpu: int, gpus_per_node: int, seq_len: int) -> list[Lay
     args, out = plan.args, []
     experts = getattr(getattr(args, "moe", None), "num_experts", 0)
     for tp in _divisors(gpus_per_node):
-        if args.n_heads % tp or args.n_kv_heads % tp:
+        if args.n_heads % tp or args.n_kv_heads % tp or ngpu % tp:
             continue
-        for cp in _divisors(ngpu // tp if ngpu % tp == 0 else 1):
+        for cp in _divisors(ngpu // tp):
             if cp > 1 and seq_len % (2 * cp * tp) or seq_len % (cp * tp):
                 continue
-            for pp in _divisors(ngpu // (tp * cp) if ngpu % (tp * cp) == 0 else 1):
-                if 2 * pp > args.n_layers and pp > 1:
-                    continue
+            for pp in _divisors(ngpu // (tp * cp)):
                 dp = ngpu // (tp * cp * pp)
-                if ngpu % (tp * cp * pp) or plan.global_batch_size % dp:
+                if pp > 1 and 2 * pp > args.n_layers or plan.global_batch_size % dp:
                     continue
                 local = plan.global_batch_size // dp
                 for rep in _divisors(dp):
@@ -121,9 +119,10 @@ def _pipelines(pp: int, local: int) -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class Bound:
     peak_bytes: float
-    """Below the traced peak: sharded model state and the block inputs kept for backward."""
+    """Below the traced peak: sharded model state, what FSDP gathers, what blocks keep for backward."""
     tokens_per_sec_per_gpu: float
-    """Above the prediction: the step's FLOPs at the best matmul rate, the bubble, TP's traffic."""
+    """Above the prediction: the step's FLOPs at the fitted matmul rate or FSDP's traffic, the
+    exposed TP and CP traffic at link speed, the bubble."""
 
 
 def bound(lay: Layout, plan: Plan, seq_len: int, gpu: hardware.GPU, gpus_per_node: int) -> Bound:
@@ -205,9 +204,9 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
         kth = sorted((r["predicted"]["tokens_per_sec_per_gpu"] for r in found), reverse=True)[top - 1:top]
         # the bounds leave out what the trace sees (memory-bound ops, FSDP's traffic, latencies):
         # scale them by what traced layouts of the same shape showed, else by the most
-        # optimistic ratio of any; memory by the least ratio per AC mode
+        # optimistic ratio of any; memory by the least ratio per AC mode, with or without pipeline
         ratio = speed.get(_shape(lay), max(speed.values(), default=1.0))
-        grown = memory.get(lay.ac, min(memory.values(), default=1.0))
+        grown = memory.get((lay.ac, lay.pp > 1), min(memory.values(), default=1.0))
         if kth and b.tokens_per_sec_per_gpu * ratio < kth[0] or b.peak_bytes * grown > limit:
             skipped += 1
             continue
@@ -225,7 +224,8 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
         peak = max(r["memory_gib"]["peak"] for r in rep["roles"]) * hardware.GIB
         tps = rep["predicted"]["tokens_per_sec_per_gpu"]
         speed[_shape(lay)] = max(speed.get(_shape(lay), 0.0), tps / b.tokens_per_sec_per_gpu)
-        memory[lay.ac] = min(memory.get(lay.ac, peak / b.peak_bytes), peak / b.peak_bytes)
+        kind = lay.ac, lay.pp > 1
+        memory[kind] = min(memory.get(kind, peak / b.peak_bytes), peak / b.peak_bytes)
         log(f"  traced {lay.describe()}: {tps:,.1f} tokens/s/GPU, peak {peak / hardware.GIB:.1f} GiB"
             f"{'' if peak <= limit else ' (does not fit)'}")
         if peak <= limit:
