@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch titanlite training with torchrun.
-#   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--section.key VALUE ...]
+#   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--print-plan] [--section.key VALUE ...]
 # FILE may be a bare name in train_configs/. Multi-node: set NNODES, NODE_RANK and
 # RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
 set -euo pipefail
@@ -17,6 +17,11 @@ done
 
 case " $* " in
   *" --help "* | *" -h "* | *" --print-config "*) exec python -m titanlite.train "$@" ;;
+  # the planner's best layouts for this job on NGPU x NNODES GPUs (titanlite.plan), no launch
+  *" --print-plan "*)
+    rest=()
+    for arg in "$@"; do [[ "$arg" == --print-plan ]] || rest+=("$arg"); done
+    exec python -m titanlite.plan --ngpu $((NGPU * NNODES)) ${rest[@]+"${rest[@]}"} ;;
 esac
 
 # --skip-preflight: launch without the dry run below (if it fails inside titanlite, it says so)

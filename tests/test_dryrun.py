@@ -244,7 +244,7 @@ def test_cli_writes_the_report(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--gpu", "v100"], "--gpu: unknown GPU 'v100'; known: h100, h200, a100, b200"),
+    (["--gpu", "v100"], "--gpu: unknown GPU 'v100'; known: h100, h100_500w, h200, a100, b200"),
     (["--ngpu", "6", "--parallelism.tensor_parallel_degree", "4"], "world size 6 is not divisible by dp_replicate 1"),
     (["--ngpu", "2", "--rank", "2"], "--rank 2 is outside the world of 2 ranks"),
     (["--ngpu", "0"], "--ngpu: expected a positive integer, got '0'"),

@@ -1,8 +1,9 @@
-"""Datasheet figures of a few GPUs and the step-time model the dry run predicts with.
+"""Published figures of a few GPUs, which the dry run's step-time model (titanlite.dryrun.timing)
+runs on.
 
-Every constant is a published hardware figure (dense, i.e. without 2:4 sparsity), never a
-value fitted to measured training runs. The model is deliberately simple; docs/scaling.md
-states it and its limits.
+Datasheet peaks (dense, i.e. without 2:4 sparsity) and rates measured on the real part (the best
+matmul rate, FlashAttention-2's attention rates), each with its source; none is fitted to a
+training run. docs/scaling.md states them.
 """
 
 from __future__ import annotations
@@ -27,22 +28,43 @@ class GPU:
     memory_gib: float
     """Device memory as the driver reports it."""
     gpus_per_node: int
+    mamf_flops: float
+    """Maximum achievable matmul FLOP/s, BF16: the best rate over shapes measured on the part."""
+    attention_flops: float
+    attention_bwd_flops: float
+    """FlashAttention-2's measured forward and backward rate (FLOPs of the causal half, head dim
+    128, sequence 8k): the kernel PyTorch's SDPA runs on this part."""
     source: str
 
 
 GPUS = {g.name: g for g in [
-    GPU("h100", 989e12, 3.35e12, 450e9, 50e9, 79.6, 8,
+    GPU("h100", 989e12, 3.35e12, 450e9, 50e9, 79.6, 8, 792.1e12, 335e12, 290e12,
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3, "
-        "NVLink 900 GB/s); DGX H100: one 400 Gb/s ConnectX-7 per GPU"),
-    GPU("h200", 989e12, 4.8e12, 450e9, 50e9, 140.4, 8,
+        "NVLink 900 GB/s); DGX H100: one 400 Gb/s ConnectX-7 per GPU; MAMF 792.1 TFLOPS (ml-engineering, "
+        "compute/accelerator, CUDA 12.1); FlashAttention-2 on H100 ~335 TFLOPS forward (FlashAttention-2 "
+        "and -3 papers, arXiv 2307.08691, 2407.08608)"),
+    # Meta's Grand Teton H100 on which TorchTitan measured (docs/performance.md there): 96 GB
+    # HBM2e at 2.4 TB/s, a 500 W power limit, "peak between SXM and NVL" (989 and 835 TFLOPS):
+    # the measured rates are the SXM part's scaled by the midpoint, 912 / 989; MFU stays
+    # against 989 TFLOPS, as TorchTitan reports it
+    GPU("h100_500w", 989e12, 2.4e12, 450e9, 50e9, 94.0, 8, 792.1e12 * 912 / 989, 335e12 * 912 / 989,
+        290e12 * 912 / 989,
+        "TorchTitan docs/performance.md (Grand Teton: H100 96 GB HBM2e, 2.4 TB/s, 500 W, NVLink in a "
+        "host, 400 Gb/s RDMA per GPU); rates: the h100's scaled by (989 + 835) / 2 / 989"),
+    GPU("h200", 989e12, 4.8e12, 450e9, 50e9, 140.4, 8, 794.5e12, 335e12, 290e12,
         "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, "
-        "NVLink 900 GB/s, 141 GB); DGX H200: one 400 Gb/s ConnectX-7 per GPU"),
-    GPU("a100", 312e12, 2.039e12, 300e9, 25e9, 80.0, 8,
+        "NVLink 900 GB/s, 141 GB); DGX H200: one 400 Gb/s ConnectX-7 per GPU; MAMF 794.5 TFLOPS "
+        "(ml-engineering); attention as the h100 (the same SMs)"),
+    GPU("a100", 312e12, 2.039e12, 300e9, 25e9, 80.0, 8, 267.9e12, 220e12, 190e12,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB: 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, "
-        "NVLink 600 GB/s); DGX A100: one 200 Gb/s ConnectX-6 per GPU"),
-    GPU("b200", 2.25e15, 8e12, 900e9, 50e9, 179.1, 8,
+        "NVLink 600 GB/s); DGX A100: one 200 Gb/s ConnectX-6 per GPU; MAMF 267.9 TFLOPS "
+        "(ml-engineering, CUDA 12.1); FlashAttention-2 on A100 ~220 / 190 TFLOPS forward / backward "
+        "(arXiv 2307.08691, Fig. 4-5)"),
+    GPU("b200", 2.25e15, 8e12, 900e9, 50e9, 179.1, 8, 1745e12, 335e12 * 2.25e15 / 989e12,
+        290e12 * 2.25e15 / 989e12,
         "NVIDIA DGX B200 datasheet / HGX B200 (per GPU: 2.25 PFLOPS BF16 dense, 8 TB/s HBM3e, "
-        "NVLink 5 1.8 TB/s, 180 GB); DGX B200: one 400 Gb/s ConnectX-7 per GPU"),
+        "NVLink 5 1.8 TB/s, 180 GB); DGX B200: one 400 Gb/s ConnectX-7 per GPU; MAMF 1745 TFLOPS "
+        "(ml-engineering); attention: the h100's share of peak, unmeasured"),
 ]}
 
 
@@ -50,50 +72,3 @@ def get_gpu(name: str) -> GPU:
     if name.lower() not in GPUS:
         raise ConfigError(f"--gpu: unknown GPU '{name}'; known: {', '.join(GPUS)}")
     return GPUS[name.lower()]
-
-
-# Bytes each rank sends per byte of the full buffer, for ring algorithms on a group of n
-_BUS = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-        "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-        "broadcast": lambda n: 1.0, "send": lambda n: 1.0,
-        # links are full duplex: a rank receives while it sends, so each transfer is timed once
-        "recv": lambda n: 0.0}
-
-
-def comm_seconds(kind: str, nbytes: float, ranks: tuple[int, ...], gpu: GPU) -> float:
-    """Bandwidth term only: a group within one node runs at NVLink speed, a group that
-    spans nodes at the per-GPU network speed (a ring is as fast as its slowest link)."""
-    n = len(ranks)
-    if n <= 1:
-        return 0.0
-    one_node = len({r // gpu.gpus_per_node for r in ranks}) == 1
-    return _BUS[kind](n) * nbytes / (gpu.nvlink_bytes_per_s if one_node else gpu.network_bytes_per_s)
-
-
-def compute_seconds(ops: list[tuple[int, int]], gpu: GPU) -> float:
-    """Roofline per op: the slower of its FLOPs at peak and its bytes at HBM bandwidth."""
-    return sum(max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b in ops)
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """Seconds per step on one rank, split into the part that repeats per block and the rest."""
-
-    compute_block: float
-    compute_rest: float
-    overlapped_block: float
-    """Collectives that run beside compute (FSDP/HSDP all-gathers, reduce-scatters, all-reduces)."""
-    overlapped_rest: float
-    exposed: float
-    """Collectives on the critical path (tensor and context parallel, the gradient-norm reduction)."""
-    n_blocks: int
-
-    def step(self, pp: int = 1, slots: int = 1) -> float:
-        """FSDP's collectives for a block overlap the neighbouring block's compute, so each block
-        costs the slower of the two; the root's collectives overlap the rest of the compute.
-        A pipeline adds the schedule's bubble: (pp - 1) idle slots per `slots` busy ones, where
-        slots is micro-batches x stages per rank (GPipe, 1F1B: micro-batches; interleaved:
-        the bubble divided by the stages per rank)."""
-        busy = (self.exposed + self.n_blocks * max(self.compute_block, self.overlapped_block)
-                + max(self.compute_rest, self.overlapped_rest))
-        return busy * (slots + pp - 1) / slots

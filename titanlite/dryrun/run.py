@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite.config import load as config_load
 
-from titanlite.dryrun import hardware
+from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
@@ -49,10 +49,6 @@ from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
 from titanlite.config.preflight import Plan, check_attention, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
-
-# The mesh dimensions whose collectives FSDP/HSDP issue beside compute (efsdp: the experts')
-OVERLAPPED = {"dp_shard_cp", "dp_replicate", "efsdp"}
-
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
@@ -214,7 +210,7 @@ class Role:
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
-    times: dict[str, hardware.StepTimes]
+    times: dict[str, timing.StepTimes]
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
 
@@ -228,15 +224,7 @@ def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
     that can hide behind it) and the rest."""
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
-    times = {}
-    for gpu in hardware.GPUS.values():
-        def comm_s(cs: list, overlapped: bool) -> float:
-            return sum(hardware.comm_seconds(c.kind, c.bytes, c.ranks, gpu) for c in cs
-                       if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped)
-
-        cb, ob = hardware.compute_seconds(tr.block_ops, gpu) / period, comm_s(tr.block_comms, True) / period
-        times[gpu.name] = hardware.StepTimes(cb, hardware.compute_seconds(tr.ops, gpu) - n * cb, ob,
-                                             comm_s(tr.comms, True) - n * ob, comm_s(tr.comms, False), n)
+    times = {gpu.name: timing.step_times(tr, n, period, gpu) for gpu in hardware.GPUS.values()}
     return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
 
 
@@ -396,15 +384,18 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
     print(f"titanlite: warning: {msg}", file=sys.stderr)
 
 
-def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts, rest, i = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}, [], 0
+def split_flags(argv: list[str], opts: dict, switches: tuple[str, ...] = ()) -> list[str]:
+    """Set opts[key] from each `--key value` or `--key=value` whose key (dashes as underscores)
+    `opts` has, and to True for each of `switches` (flags without a value); return the other
+    arguments (the config's)."""
+    rest, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         key = name[2:].replace("-", "_")
-        if name == "--full":
+        if name in switches:
             if eq:
-                raise ConfigError(f"--full takes no value, got '{argv[i]}'; write --full")
-            opts["full"] = True
+                raise ConfigError(f"{name} takes no value, got '{argv[i]}'; write {name}")
+            opts[key] = True
         elif name.startswith("--") and key in opts:
             if not eq:
                 if i + 1 >= len(argv):
@@ -414,6 +405,12 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(argv[i])
         i += 1
+    return rest
+
+
+def _parse(argv: list[str]) -> tuple[dict, list[str]]:
+    opts = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}
+    rest = split_flags(argv, opts, ("--full",))
     for key in ("ngpu", "rank", "check_memory"):
         if opts[key] is not None and not opts[key].isdigit():
             raise ConfigError(f"--{key.replace('_', '-')}: expected a non-negative integer, got '{opts[key]}'")

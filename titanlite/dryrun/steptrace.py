@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
+from titanlite.dryrun.timing import op_class
+
 PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "collectives", "temporaries")
 
@@ -137,10 +139,10 @@ class Trace:
     """phase -> category -> bytes live at that phase's peak, plus "total"."""
     comms: list[Comm]
     flops: int
-    ops: list[tuple[int, int]] = field(repr=False)
-    """(FLOPs, bytes read + written) per compute op, for a roofline time estimate."""
+    ops: list[tuple] = field(repr=False)
+    """(FLOPs, bytes read + written, class, kernels) per compute op (titanlite.dryrun.timing)."""
     block_comms: list[Comm] = field(repr=False)
-    block_ops: list[tuple[int, int]] = field(repr=False)
+    block_ops: list[tuple] = field(repr=False)
     """What one block period adds to the step (every local stage, every micro-batch)."""
     copied: int = 0
     """Calls the step skipped and counted as copies of another (titanlite.dryrun.pptrace)."""
@@ -164,7 +166,7 @@ class StepTracer(TorchDispatchMode):
         self.resized: set[int] = set()
         self.comms: dict[tuple, Comm] = {}
         self.comm_log: list[tuple[tuple, int]] = []  # (key into comms, bytes) per collective
-        self.ops: list[tuple[int, int]] = []
+        self.ops: list[tuple] = []
         # per op, its inputs' (storage id, bytes) and its outputs' storage ids; per collective,
         # its payload's storage id: a block period's share of an op is decided after the step
         self.op_io: list[tuple[tuple, tuple]] = []
@@ -342,7 +344,7 @@ class StepTracer(TorchDispatchMode):
         elif outs and not func.is_view:  # no tensor out (prim.device, sizes): no work
             formula = flop_formula(func)
             flops = 0 if formula is None else formula(args, kwargs, out)
-            self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))))
+            self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs)), op_class(func), 1))
             self.op_io.append((tuple((self.sid.get(t.untyped_storage()), _nbytes(t)) for t in ins),
                                tuple(self.sid[t.untyped_storage()] for t in outs)))
         return out
@@ -406,8 +408,7 @@ class StepTracer(TorchDispatchMode):
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
         repeat, used = sorted(repeat), set()
 
-        # a copied span's result that outlives it (held by the schedule) dies with its stand-in,
-        # unless it is still alive now (held until the step ends, as the copies' would be)
+        # a copied span's result the schedule holds dies with its stand-in, unless alive at the end (as the copies')
         inside = defaultdict(int)
         for (a, _, _), (b, _, _), _ in self.spans.values():
             for _, sid, delta in self.log[a:b]:
@@ -422,9 +423,10 @@ class StepTracer(TorchDispatchMode):
         # each op and collective outside the spans with its share in the period (0: none), and
         # as it counts in the deeper step
         op_part, comm_part = self._shares(owned | born, [*repeat, *blocks])
-        shares = ([(f * p, n * p) for (f, n), p in zip(self.ops, op_part)],
+        shares = ([(f * p, n * p, c, p) for (f, n, c, _), p in zip(self.ops, op_part)],
                   [(key, n * p, int(p == 1)) for (key, n), p in zip(self.comm_log, comm_part)])
-        lists = (resolved, [(f + more * sf, n + more * sn) for (f, n), (sf, sn) in zip(self.ops, shares[0])],
+        lists = (resolved, [(f + more * sf, n + more * sn, c, k + more * sk)
+                            for (f, n, c, k), (sf, sn, _, sk) in zip(self.ops, shares[0])],
                  [(key, n + more * sn, 1 + more * c) for (key, n), (_, sn, c) in zip(self.comm_log, shares[1])],
                  *shares)
         block_ops, block_comms = [], []
@@ -467,7 +469,7 @@ class StepTracer(TorchDispatchMode):
             if total > peaks[PHASES[phase]]["total"]:
                 peaks[PHASES[phase]] = {**live, "total": total}
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        return Trace(peaks, self._tally(comm_log), sum(f for f, _ in ops), ops, self._tally(block_comms), block_ops,
+        return Trace(peaks, self._tally(comm_log), sum(op[0] for op in ops), ops, self._tally(block_comms), block_ops,
                      len(self.copies))
 
     def _shares(self, seeds: set[int], spans: list[tuple]) -> tuple[list[float], list[float]]:

@@ -1,0 +1,79 @@
+"""The step-time model against published runs, and the layout planner.
+
+Each published run (titanlite.dryrun.calibration.RUNS: TorchTitan's on 64 A100 and on 8 to 128
+H100) is dry-run at its layout and its predicted tokens/s per GPU held within 15% of the
+published figure, the runs that fitted the model's two factors and the held-out ones alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from titanlite.dryrun.calibration import RUNS, predict
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_prediction_within_15_percent_of_published(run):
+    pred = predict(run)["predicted"]
+    tps = pred["tokens_per_sec_per_gpu"]
+    assert tps == pytest.approx(run.tokens_per_sec_per_gpu, rel=0.15), f"{run.name}: {tps:.0f}"
+    assert pred["gpu"] == run.gpu
+
+
+def test_planner_bounds_hold_and_layouts_keep_the_global_batch():
+    """Every enumerated layout uses the whole world and keeps the config's global batch; for two
+    of them (tp 2 with full AC; pp 2 under 1F1B, its bubble) the cheap bounds the planner prunes
+    with lie on the right side of the dry run: memory below the traced peak, tokens/s above the
+    prediction."""
+    from titanlite.dryrun import hardware
+    from titanlite.dryrun.run import dry_run, report
+    from titanlite.config import load as config
+    from titanlite import plan as planner
+
+    argv = ["--config", "debug_model.toml", "--training.seq_len", "128"]
+    cfg, plan = planner._base(argv, 4)
+    gpu = hardware.get_gpu("h100")
+    lays = planner.layouts(plan, 4, 8, 128)
+    assert {lay.ac for lay in lays} == set(planner.AC_MODES) and {lay.tp for lay in lays} == {1, 2, 4}
+    for lay in lays:
+        assert lay.dp_replicate * lay.dp_shard * lay.tp * lay.cp * lay.pp == 4
+        assert lay.local_batch * lay.dp_replicate * lay.dp_shard == plan.global_batch_size
+    picks = [lay for lay in lays if (lay.tp, lay.pp, lay.cp, lay.dp_replicate, lay.ac, lay.schedule) in
+             ((2, 1, 1, 1, "full", "1F1B"), (1, 2, 1, 1, "none", "1F1B")) and (lay.pp == 1 or lay.microbatch == 1)]
+    assert len(picks) == 2
+    for lay in picks:
+        b = planner.bound(lay, plan, 128, gpu, 8)
+        rep = report(dry_run(config.load([*argv, *lay.overrides()])[0], 4), gpu)
+        assert b.peak_bytes <= max(r["memory_gib"]["peak"] for r in rep["roles"]) * hardware.GIB, lay
+        assert b.tokens_per_sec_per_gpu >= rep["predicted"]["tokens_per_sec_per_gpu"], lay
+
+
+def test_planner_finds_fitting_layouts_best_first(tmp_path, capsys):
+    import json
+
+    from titanlite import plan as planner
+
+    out = tmp_path / "plan.json"
+    planner.main(["--config", "debug_model.toml", "--training.seq_len", "128", "--ngpu", "2", "--top", "2",
+                  "--budget-s", "10", "--out", str(out)])
+    result = json.loads(out.read_text())
+    tps = [r["predicted"]["tokens_per_sec_per_gpu"] for r in result["layouts"]]
+    assert 1 <= len(tps) <= 2 and tps == sorted(tps, reverse=True)
+    for r in result["layouts"]:
+        assert r["peak_gib"] <= result["memory_limit_gib"] and r["predicted"]["mfu_pct"] > 0
+        assert "--parallelism.tensor_parallel_degree" in r["overrides"] and r["parallelism"]["tp"] in (1, 2)
+    assert "best" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--ngpu", "8", "--top", "0"], "--top: expected a positive integer, got '0'"),
+    (["--ngpu", "x"], "--ngpu: expected a positive integer, got 'x'"),
+    ([], "--ngpu is required"),
+    (["--ngpu", "8", "--gpu", "v100"], "--gpu: unknown GPU 'v100'"),
+])
+def test_planner_bad_input_is_one_line(argv, expect, capsys):
+    from titanlite import plan as planner
+
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--config", "debug_model.toml", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and expect in err[0], err
