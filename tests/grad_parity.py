@@ -84,7 +84,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parallelize(part, spec, meshes, opts)
             init.materialize(part, torch.device("cpu"), 0)
         shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
-        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, None,
+        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnContext,
                                      contextlib.nullcontext(), torch.device("cpu"), shapes)
         step([{"input_ids": inputs[mine], "labels": labels[mine]}])
         mirrors = step.mirrors

@@ -155,9 +155,3 @@ def test_compile_with_fsdp_tensor_parallel_and_per_op_ac_matches_single_process(
     run = train(4, [*GLOBAL8, *COMPILE, "--parallelism.tensor_parallel_degree", "2",
                     "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"])
     assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
-
-
-def test_compile_with_context_parallel_matches_single_process():
-    ref = reference(TINY)
-    run = train(2, [*TINY, *COMPILE, "--parallelism.context_parallel_degree", "2"])
-    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
