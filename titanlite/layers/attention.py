@@ -77,6 +77,9 @@ class AttnContext:
     """The model's windows and this rank's sequence length and device: with them, flex's block
     masks are built here, as the context is made (outside compiled blocks, once per batch)."""
     cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
+    tokens: torch.Tensor | None = None
+    """[batch, seq] this rank's token ids, for a model that reads them past its first pipeline
+    stage (multi-token prediction); None: the model's input is the tokens."""
 
     def __post_init__(self) -> None:
         if self.cp_group is not None and self.positions is None:

@@ -56,6 +56,16 @@ class MoEArgs:
     """Auxiliary-loss-free balancing: step of the selection bias after each optimizer step; 0 = off."""
     aux_loss_coeff: float = 0.0
     """Weight of the load-balancing auxiliary loss; 0 = off."""
+    aux_loss_per_sequence: bool = False
+    """Balance each sequence's tokens (DeepSeek-V3's complementary sequence-wise loss) rather
+    than the micro-batch's over all data-parallel ranks."""
+    n_group: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts form n_group groups, each scored by the
+    sum of its two best (biased) scores, and a token picks its top_k among its topk_group best
+    groups; 1 = off."""
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' gate weights (after renormalisation)."""
     grouped_mm: str = "auto"
     """"auto": grouped GEMM where supported, else the loop; "on": grouped GEMM or an error; "off": loop."""
 
@@ -158,10 +168,18 @@ class Router(nn.Module):
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
         with torch.no_grad():
-            expert_ids = torch.topk(scores + self.expert_bias, self.args.top_k, dim=-1).indices
+            biased = scores + self.expert_bias
+            if self.args.n_group > 1:
+                groups = biased.unflatten(-1, (self.args.n_group, -1))
+                best = groups.topk(2, dim=-1).values.sum(-1).topk(self.args.topk_group, dim=-1).indices
+                kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+                biased = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
+            expert_ids = torch.topk(biased, self.args.top_k, dim=-1).indices
         weights = scores.gather(-1, expert_ids)
         if self.args.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.args.routed_scaling_factor != 1.0:
+            weights = weights * self.args.routed_scaling_factor
         return weights, expert_ids, scores
 
 
@@ -220,8 +238,25 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
-            out = add_extra_loss(out, AUX_LOSS, self._aux_loss_sum(scores, counts))
+            aux = (self._sequence_aux_loss_sum(scores, expert_ids, shape) if self.args.aux_loss_per_sequence
+                   else self._aux_loss_sum(scores, counts))
+            out = add_extra_loss(out, AUX_LOSS, aux)
         return out.view(shape)
+
+    def _sequence_aux_loss_sum(self, scores: torch.Tensor, expert_ids: torch.Tensor,
+                               shape: torch.Size) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, coeff * sum_e f_e * P_e per sequence, f_e =
+        E / (k T) x the sequence's slots routed to e, P_e its mean normalised score for e; each
+        sequence's loss counted once per token, so the division by the global target count
+        averages over sequences. The rank must hold whole sequences (no context or sequence
+        parallel: the family's check_layout refuses those)."""
+        rows, seq = shape[0], shape[1]
+        e, k = self.args.num_experts, self.args.top_k
+        ids = expert_ids.view(rows, seq * k)
+        slots = torch.zeros(rows, e, device=scores.device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
+        share = (slots * e / (k * seq)).detach()
+        probs = (scores / scores.sum(-1, keepdim=True)).view(rows, seq, e).mean(1)
+        return self.args.aux_loss_coeff * seq * (share * probs).sum()
 
     def _aux_loss_sum(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """coeff * E * sum_e f_e * P_e (Switch Transformer), written as a sum over tokens so that

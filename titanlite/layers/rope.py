@@ -82,6 +82,14 @@ def yarn_frequencies(head_dim: int, theta: float, yarn: YaRN) -> tuple[torch.Ten
     return 1.0 / (yarn.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept, attention_factor
 
 
+def yarn_softmax_factor(yarn: YaRN | None) -> float:
+    """DeepSeek's factor on the softmax scale under YaRN, mscale(factor, mscale_all_dim)^2 (1 without
+    mscale_all_dim), as transformers' DeepSeek-V3 attention applies it."""
+    if yarn is None or not yarn.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+
+
 def tables(freqs: torch.Tensor, max_seq_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's angles, [max_seq_len, len(freqs)], in freqs' dtype;
     `scale` is YaRN's attention factor (1 otherwise)."""

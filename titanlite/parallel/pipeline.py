@@ -170,7 +170,7 @@ def _to_context(make_ctx: Callable) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0]
         return (x, make_ctx(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
-                            device=x.device)), {}
+                            device=x.device, tokens=kwargs.get("tokens"))), {}
     return hook
 
 
@@ -294,6 +294,7 @@ class PipelineStep:
         # parallel, whose length is not the sequence's
         batch = {"positions": torch.arange(seq, device=batch["input_ids"].device)[None], **batch}
         kwargs = {k: batch[k].expand(rows, -1) for k in ("positions", "document_ids") if k in batch}
+        kwargs["tokens"] = batch["input_ids"]  # every stage: a last stage's multi-token prediction reads them
         return ((batch["input_ids"],) if self.is_first else ()), kwargs
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
