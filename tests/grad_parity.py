@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.layers.attention import AttnContext
 from titanlite.config.job import ActivationCheckpoint, Compile, LRScheduler, Optimizer, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
-from titanlite.loss import cross_entropy_sum, loss_context
+from titanlite.loss import cross_entropy_sum, extra_losses, loss_context
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.layers import init
 from titanlite.parallel import pipeline
@@ -68,7 +68,11 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
     ref = spec.build(args)
     ref.init_weights(0)
-    cross_entropy_sum(ref(inputs), labels).div(labels.numel()).backward()
+    # inside a step's extra-loss scope, as PipelineStep runs: a model's extra terms (multi-token
+    # prediction) reach the gradients on every path
+    n_targets = torch.tensor(float(labels.numel()))
+    with extra_losses(n_targets):
+        cross_entropy_sum(ref(inputs), labels).div(n_targets).backward()
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
@@ -93,8 +97,8 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parts = [spec.build(args)]
         parallelize(parts[0], spec, meshes, opts)
         init.materialize(parts[0], torch.device("cpu"), 0)
-        with loss_context(opts.loss_parallel):
-            cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(labels.numel()).backward()
+        with loss_context(opts.loss_parallel), extra_losses(n_targets):
+            cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(n_targets).backward()
         mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])
 

@@ -58,6 +58,10 @@ class ModelSpec:
     extra_losses: tuple[str, ...] = ()
     """Names of the extra loss terms the model adds with titanlite.loss.add_extra_loss; each is
     logged like the loss (its global sum over the global target count)."""
+    tp_replicated_losses: tuple[str, ...] = ()
+    """Those extra losses each tensor-parallel rank computes whole, as the token loss (multi-token
+    prediction on loss-parallel logits): logged once, like it; the others are sums over the
+    tokens each rank routed."""
 
 
 def available() -> list[str]:

@@ -205,6 +205,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             once = meshes.tp.get_local_rank() == 0
             sums = torch.stack([out.loss_sum if once else torch.zeros_like(out.loss_sum),
                                 *(out.extra_losses.get(n, torch.zeros_like(out.loss_sum))
+                                  if once or n not in plan.spec.tp_replicated_losses else torch.zeros_like(out.loss_sum)
                                   for n in plan.spec.extra_losses)])
             dist.all_reduce(sums)
             values = (sums / out.n_targets).tolist()

@@ -77,5 +77,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 SPEC = ModelSpec(name="deepseek_v3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
                  flops_per_token=flops_per_token, check_layout=check_layout, hf=ADAPTER,
-                 post_step_hooks=post_step_hooks, extra_losses=(AUX_LOSS, MTP_LOSS),
+                 post_step_hooks=post_step_hooks, extra_losses=(AUX_LOSS, MTP_LOSS), tp_replicated_losses=(MTP_LOSS,),
                  post=("norm", "output", "mtp", "mtp_embeddings"))

@@ -85,6 +85,9 @@ class MLA(nn.Module):
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope + self.v), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v, args.dim, bias=False)
+        # where the RoPE key shared by all heads meets the per-head keys: nothing on one device;
+        # tensor parallel sums its gradient over the ranks' heads here (parallelize.py)
+        self.k_rope_heads = nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -94,7 +97,7 @@ class MLA(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.wkv_a.out_features - self.rope, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v)
         k_nope, v = kv.split([self.nope, self.v], dim=-1)
-        k_rope = self.rotate(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
+        k_rope = self.k_rope_heads(self.rotate(k_rope.unsqueeze(2), cos, sin)).expand(-1, -1, k_nope.shape[2], -1)
         q = torch.cat([q_nope, self.rotate(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, scale=self.scale)

@@ -4,7 +4,9 @@ tensor-parallel plan. titanlite.parallel.apply applies every dimension in one or
 Tensor parallel over MLA: the per-head projections (wq or wq_b, wkv_b) split by heads
 (column-wise), wo row-wise; the low-rank down-projections (wq_a, wkv_a: the query latent,
 the compressed KV latent and the shared RoPE key) and their norms are small and run whole on
-every tp rank, on the whole sequence, their weights Replicate DTensors. MoE blocks follow
+every tp rank, on the whole sequence, their weights Replicate DTensors. The shared RoPE key
+feeds every head, so its gradient is summed over the ranks' heads (`SumGradOverHeads`); the
+latents' gradients are summed by the column-wise projections they feed. MoE blocks follow
 titanlite.parallel.tensor.decoder_plan (each tp rank routes its own sequence shard). The
 multi-token prediction depths get the same plan, applied inside each depth by `MTPParallel`.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from titanlite.errors import ConfigError
@@ -90,6 +92,17 @@ class Replicated(ParallelStyle):
                                  output_fn=lambda mod, out, mesh: out.to_local())
 
 
+class SumGradOverHeads(ParallelStyle):
+    """Identity forward on a plain whole tensor every tp rank shares (the RoPE key); in backward
+    its gradient, each rank's over its own heads, is summed over the tp ranks."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, mesh,
+                                 input_fn=lambda mod, inputs, mesh: tuple(
+                                     DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
+                                 output_fn=lambda mod, out, mesh: out.to_local(grad_placements=[Partial()]))
+
+
 class MTPParallel(ParallelStyle):
     """Each multi-token prediction depth: its projection eh_proj split column-wise (the residual
     layout in and out), its norms on the residual stream, its block as every other block."""
@@ -115,7 +128,8 @@ def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
         "attention": PrepareModuleInput(input_layouts=(between, None, None, None),
                                         desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
         "attention.wq": ColwiseParallel(), "attention.wq_b": ColwiseParallel(),
-        "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=between)}
+        "attention.wkv_b": ColwiseParallel(), "attention.k_rope_heads": SumGradOverHeads(),
+        "attention.wo": RowwiseParallel(output_layouts=between)}
     blocks = TPPlan(base.root, block, base.root_norms, base.block_norms)
     root = base.root | {"mtp_embeddings": base.root["tok_embeddings"], "mtp": MTPParallel(between, blocks)}
     return TPPlan(root, block, base.root_norms, base.block_norms)
