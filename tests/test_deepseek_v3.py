@@ -11,7 +11,7 @@ import torch
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoE
-from titanlite.models.deepseek_v3 import SPEC, flavors, hf
+from titanlite.models.deepseek_v3 import SPEC, activated_params, flavors, hf
 from titanlite.models.deepseek_v3.model import Transformer
 from titanlite.models.deepseek_v3.parallelize import check_layout
 from titanlite.parallel.mesh import ParallelDims
@@ -50,6 +50,10 @@ def test_flavor_parameter_counts_match_transformers_and_the_released_config():
         assert mine == sum(p.numel() for p in theirs.parameters()) == total, flavor
         assert hf.args_from_hf(theirs.config.to_dict()) == args
     assert hf.args_from_hf(RELEASED_671B) == flavors["671B"]
+    # the model cards' activated sizes ("37B", "32B"), input embedding included, MTP not
+    for flavor, billions in (("671B", 37), ("1T", 32)):
+        args = dataclasses.replace(flavors[flavor], mtp_layers=0)
+        assert int((activated_params(args) + args.dim * args.vocab_size) / 1e9) == billions
     # DeepSeek-V3's MTP depth (kept in titanlite's checkpoints, dropped by transformers): with the
     # copies of embedding and head the release stores in it, the "685B" of the model card (684.5B)
     with torch.device("meta"):

@@ -1,6 +1,8 @@
 """DeepSeek-V3 family (Moonlight, DeepSeek-V3, Kimi K2): flavors with the published shapes, and
 the spec the framework loads."""
 
+import dataclasses
+
 from titanlite.layers.moe import AUX_LOSS, MoEArgs, post_step_hooks
 from titanlite.layers.mtp import MTP_LOSS
 from titanlite.layers.rope import YaRN
@@ -21,7 +23,7 @@ def _moe(experts: int, top_k: int, hidden: int, shared: int, scaling: float, n_g
 
 # The shapes of the released config.json files: moonshotai/Moonlight-16B-A3B,
 # deepseek-ai/DeepSeek-V3 and moonshotai/Kimi-K2-Instruct.
-flavors = {
+flavors: dict[str, ModelArgs] = {
     # three blocks (the first dense), group-limited routing over 4 groups of 2 experts, a query
     # bottleneck, YaRN with DeepSeek's mscale, one MTP depth: every feature, CPU-test sized
     "debugmodel": ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=512, q_lora_rank=64,
@@ -29,11 +31,6 @@ flavors = {
                             ffn_hidden=256, n_dense_layers=1, moe=_moe(8, 2, 64, 1, 2.5, n_group=4, topk_group=2),
                             yarn=YaRN(factor=4.0, original_max_seq_len=512, mscale=1.0, mscale_all_dim=1.0),
                             mtp_layers=1, max_seq_len=2048),
-    # benchmark shapes (docs/benchmarks.md): ~100M activated, and the debug model's dense twin
-    "bench100m": ModelArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=12, vocab_size=512, q_lora_rank=0,
-                           kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                           ffn_hidden=3072, n_dense_layers=1, moe=_moe(16, 2, 768, 1, 2.5, n_group=4, topk_group=2),
-                           max_seq_len=2048),
     "16B": ModelArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=163840, q_lora_rank=0,
                      ffn_hidden=11264, n_dense_layers=1, moe=_moe(64, 6, 1408, 2, 2.446), norm_eps=1e-5,
                      rope_theta=50000.0, max_seq_len=8192),
@@ -48,6 +45,10 @@ flavors = {
                               mscale_all_dim=1.0),
                     rope_theta=50000.0, max_seq_len=131072),
 }
+
+# benchmark twin (docs/benchmarks.md): every block and the MTP one dense, 210 wide, so the same
+# feed-forward weights per token as the debug model's dense block + 3 x (router, top 2 + shared)
+flavors["debugmodel_dense"] = dataclasses.replace(flavors["debugmodel"], n_dense_layers=4, ffn_hidden=210)
 
 
 def _attention_params(args: ModelArgs) -> int:
