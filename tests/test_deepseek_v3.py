@@ -8,6 +8,8 @@ import re
 import pytest
 import torch
 
+from titanlite.config import load as config_load
+from titanlite.config.preflight import preflight
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoE
@@ -208,6 +210,14 @@ def test_bad_model_and_layout_refused_in_one_line():
         with pytest.raises(ConfigError, match=re.escape(match)) as e:
             check_layout(args, dims)
         assert "\n" not in str(e.value)
+    # through the preflight that run_train.sh runs before launching (the debug config's [moe]
+    # turns the sequence-wise loss on)
+    cfg, _ = config_load.load(["--config", "deepseek_v3_debug.toml", "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="sequence-wise auxiliary loss"):
+        preflight(cfg, 2)
+    cfg, _ = config_load.load(["--config", "deepseek_v3_debug.toml", "--parallelism.expert_parallel_degree", "3"])
+    with pytest.raises(ConfigError, match="expert_parallel_degree 3 does not divide the model's 8 experts"):
+        preflight(cfg, 3)
 
 
 def test_mtp_loss_reaches_the_training_loss():

@@ -160,6 +160,12 @@ def _masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
     """SDPA; mask None means causal with queries and keys starting together."""
+    if v.shape[-1] < q.shape[-1]:
+        # MLA's values are narrower than its queries and keys; the flash kernels need one head
+        # dim for all three and the math kernel would hold every score: zero columns of V cost
+        # less (PV work grows by Dqk / Dv) and are sliced off the output
+        dv = v.shape[-1]
+        return _sdpa(q, k, F.pad(v, (0, q.shape[-1] - dv)), mask, scale)[..., :dv]
     rep = q.shape[1] // k.shape[1]
     # Flash kernels read shared K/V heads in place (no expanded copy, no sum over the copies
     # in backward). CUDA has flash only for 16-bit dtypes and without a mask; elsewhere it picks
