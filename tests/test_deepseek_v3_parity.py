@@ -1,7 +1,7 @@
 """DeepSeek-V3 under every parallel dimension reproduces its single-process run on the same
 global batch (loss, gradient norm, MTP loss and router biases over 10 steps), with two
 four-rank launches: FSDP x TP (sequence and loss parallel, MLA's latent projections whole on
-each rank) with the experts split over the tp pair, and PP x CP (the MTP depth on the last
+each rank) with the experts split over the tp pair under per-op AC, and PP x CP (the MTP depth on the last
 stage) with the experts split over the cp pair. The second saves checkpoints, from which a
 resumed run continues bit for bit. Per-parameter gradients under TP: tests/grad_parity.py."""
 
@@ -15,8 +15,11 @@ from titanlite.checkpoint.dcp import load_tensors
 DSV3 = [*TINY, "--model.name", "deepseek_v3", "--training.global_batch_size", "8", "--moe.bias_update_rate", "0.001",
         "--lr_scheduler.decay_ratio", "0"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# per-op activation checkpointing on top: recomputation must neither count a layer's routed
+# tokens nor its extra loss terms twice
 FSDP_TP = ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
-           "--parallelism.tensor_parallel_degree", "2", *EP2]
+           "--parallelism.tensor_parallel_degree", "2", *EP2,
+           "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"]
 # four pipeline micro-batches of two rows; the reference runs the eight rows as one micro-batch
 PP_CP = ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
@@ -32,7 +35,7 @@ def _matches(ref, run) -> None:
     assert run.metrics[-1]["moe_router_bias_norm"] > 0 and run.metrics[-1]["mtp_loss"] > 0
 
 
-def test_fsdp_tp_ep_matches_single_process():
+def test_fsdp_tp_ep_ac_matches_single_process():
     ref = reference([*DSV3, "--training.local_batch_size", "8"])
     _matches(ref, train(4, [*DSV3, *FSDP_TP]))
 
