@@ -226,17 +226,22 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
     """Each document of each row is a sequence of its own, packed [tokens, heads, dim]."""
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, _ = q.shape
-    docs = ctx.document_ids if ctx.document_ids is not None else torch.zeros(b, s, dtype=torch.long)
-    docs = docs.to(q.device)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=q.device)])
-    cu = bounds.to(torch.int32)
-    longest = int((bounds[1:] - bounds[:-1]).max())  # a host read per layer; varlen needs it
+    cu, longest = ctx.cache.get(("varlen", b, s), lambda: _document_bounds(ctx, b, s, q.device))
     packed = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (q, k, v)]
     out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, enable_gqa=h != k.shape[1],
                       window_size=(-1 if window is None else window - 1, 0))
     return out.view(b, s, h, -1).transpose(1, 2)
+
+
+def _document_bounds(ctx: AttnContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """varlen's cumulative document starts over the packed batch, and its longest document:
+    one host read per batch, shared by every layer and by the recompute under AC."""
+    docs = ctx.document_ids if ctx.document_ids is not None else torch.zeros(b, s, dtype=torch.long)
+    docs = docs.to(device)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=device)])
+    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
 
 
 Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
