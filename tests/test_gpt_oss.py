@@ -92,6 +92,11 @@ def test_import_and_export_match_transformers_logits(tmp_path):
     expected = _logits(theirs)
     assert expected.abs().max() > 1.0  # the check below is meaningful only for non-trivial logits
     assert (_logits(ours) - expected).abs().max().item() <= 1e-5
+    # the experts' loop (grouped GEMM off) gives the same logits as the grouped GEMM above
+    loop = Transformer(dataclasses.replace(args, moe=dataclasses.replace(args.moe, grouped_mm="off")))
+    loop.load_state_dict(ours.state_dict())
+    assert (_logits(loop) - expected).abs().max().item() <= 1e-5
+    assert ours.layers["0"].moe.experts.use_grouped_mm and loop.layers["0"].moe.experts.use_grouped_mm is False
     # every feature changes the logits, so the parity above covers each of them
     for change in (dict(sliding_window=0, layer_types=()), dict(attn_sinks=False), dict(yarn=None),
                    dict(moe=dataclasses.replace(args.moe, swiglu_limit=0.0))):
