@@ -2,10 +2,11 @@
 
 One training launch runs context parallel (packed short documents, so 16-key windows straddle
 the cp chunks and documents cross them), tensor parallel (sinks and q/k/v biases sharded with
-their heads) and expert parallel together, with FSDP over the cp ranks and balancing on, against
+their heads) and expert parallel together, with FSDP over the cp ranks, per-op activation
+checkpointing and balancing on, against
 one process, which checkpoints and is resumed bitwise (the same checkpoint code under expert
 parallel and resharding is tests/test_moe_checkpoint.py's). One gradient launch compares every
-parameter's gradient under FSDP x TP x EP and under PP x FSDP x EP."""
+parameter's gradient under FSDP x TP x EP, HSDP x EP and PP x FSDP x EP."""
 
 import json
 import shutil
@@ -17,7 +18,8 @@ from titanlite.checkpoint.dcp import load_tensors
 GPT_OSS = [*TINY, "--model.name", "gpt_oss", "--training.global_batch_size", "8", "--training.local_batch_size", "8",
            "--moe.aux_loss_coeff", "0.01", "--moe.bias_update_rate", "0.001", "--lr_scheduler.decay_ratio", "0"]
 CP2_TP2_EP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-               "--parallelism.expert_parallel_degree", "2"]
+               "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+               "--activation_checkpoint.selective_type", "op"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
@@ -49,7 +51,9 @@ def test_cp_tp_ep_match_one_process_and_resume_bitwise(tmp_path_factory):
     assert a["layers.0.moe.router.expert_bias"].abs().sum() > 0
     assert [k for k in a if not a[k].equal(b[k])] == []
 
-def test_every_gradient_matches_under_fsdp_tp_ep_and_pp():
-    # one launch, two layouts on 4 ranks: fsdp2 x tp2 x ep2 (sequence parallel, sinks and biases
-    # sharded with their heads) and pp2 x fsdp2 x ep2 (1F1B); 16-key windows over 32 tokens
-    assert_grad_parity("gpt_oss", 4, ["2", "2", "ep=2", "+", "pp", "2", "2", "1", "1F1B", "ep=2"])
+def test_every_gradient_matches_under_fsdp_tp_ep_hsdp_and_pp():
+    # one launch, three layouts on 4 ranks: fsdp2 x tp2 x ep2 (sequence parallel, sinks and biases
+    # sharded with their heads), HSDP (2 replicas x fsdp2) x ep2, pp2 x fsdp2 x ep2 (1F1B);
+    # 16-key windows over 32 tokens
+    assert_grad_parity("gpt_oss", 4, ["2", "2", "ep=2", "+", "2", "1", "ep=2", "rep=2",
+                                      "+", "pp", "2", "2", "1", "1F1B", "ep=2"])
