@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import titanlite
+from titanlite.checkpoint.dcp import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.config.preflight import check_attention
 from titanlite.errors import ConfigError
@@ -175,6 +176,10 @@ def test_mxfp4_experts_are_dequantised_on_import(tmp_path):
     expected = _logits(theirs)
     assert expected.abs().max() > 1.0
     assert (_logits(ours) - expected).abs().max().item() <= 1e-5
+    # the trainer's load (checkpoint.initial_load_format hf): shapes from the headers, then a block at a time
+    again = SPEC.build(args_q)
+    load_hf_weights([again], tmp_path / "q", SPEC.hf, args_q)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in ours.state_dict().items())
 
 
 def test_malformed_mxfp4_is_refused_in_one_line_naming_key_and_file(tmp_path):
