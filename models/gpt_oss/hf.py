@@ -146,9 +146,10 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
     if rope_cfg["rope_type"] == "yarn":
         yarn = rope.YaRN(factor=float(rope_cfg["factor"]),
                          original_max_seq_len=int(rope_cfg["original_max_position_embeddings"]),
-                         beta_fast=float(rope_cfg.get("beta_fast", 32.0)), beta_slow=float(rope_cfg.get("beta_slow", 1.0)),
-                         mscale=rope_cfg.get("mscale"), mscale_all_dim=rope_cfg.get("mscale_all_dim"),
-                         truncate=bool(rope_cfg.get("truncate", True)), attention_factor=rope_cfg.get("attention_factor"))
+                         beta_fast=float(rope_cfg.get("beta_fast", 32.0)),
+                         beta_slow=float(rope_cfg.get("beta_slow", 1.0)), mscale=rope_cfg.get("mscale"),
+                         mscale_all_dim=rope_cfg.get("mscale_all_dim"), truncate=bool(rope_cfg.get("truncate", True)),
+                         attention_factor=rope_cfg.get("attention_factor"))
     n_layers = cfg["num_hidden_layers"]
     moe = dataclasses.replace(gpt_oss_moe(cfg.get("num_local_experts", 128), cfg["intermediate_size"],
                                           cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))),

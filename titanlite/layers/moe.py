@@ -158,7 +158,8 @@ class GroupedExperts(nn.Module):
         b1, b2, b3 = (None if b is None else _local(b) for b in (self.b1, self.b2, self.b3))
         if self.use_grouped_mm:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate, up = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs), F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             if b1 is not None:  # each row's expert, without reading counts on the host
                 rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
                                                output_size=x.shape[0])
