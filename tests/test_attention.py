@@ -44,6 +44,22 @@ def test_masked_blocks_hold_no_mask_of_all_keys(monkeypatch):
     assert len(sizes) == 1024 // 64 and max(n for _, n in sizes) <= 64 + 100 - 1, sizes
 
 
+def test_varlen_reads_the_document_bounds_once_a_batch(monkeypatch):
+    """varlen's kernel is CUDA only; a stand-in receives the packed bounds: documents restart per
+    row, and the longest document is read to the host once for every layer of the batch."""
+    import torch.nn.attention.varlen as varlen
+    seen, built = [], []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cu, _, longest, *a, **kw:
+                        seen.append((cu.tolist(), longest)) or torch.zeros_like(q))
+    real = attn._document_bounds
+    monkeypatch.setattr(attn, "_document_bounds", lambda *a: built.append(1) or real(*a))
+    ctx = attn.AttnContext(document_ids=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]), backend="varlen")
+    q = torch.randn(2, 4, 6, 8)
+    for _ in range(3):  # three layers
+        assert attn.attention(q, q[:, :2], q[:, :2], ctx).shape == q.shape
+    assert seen == [([0, 2, 5, 6, 7, 12], 5)] * 3 and len(built) == 1
+
+
 SWA = ["--model.flavor", "debugmodel_swa", *TINY[2:]]
 
 

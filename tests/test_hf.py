@@ -180,7 +180,7 @@ def test_public_api_reads_builds_and_writes_a_transformers_folder(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_export_writes_the_model_context_length_not_the_training_one(family):
     # training shrinks max_seq_len to training.seq_len (RoPE tables); the args a checkpoint
     # stores (titanlite.json, read back by the converter) must still export the model's own

@@ -64,14 +64,15 @@ def test_yarn_tables_equal_transformers_cos_sin(name):
     assert torch.equal(got_sin, sin[0, :, : head_dim // 2])
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_buffers_are_computed_at_construction_and_after_to_empty(family):
     """spec.build on a real device gives the RoPE tables (and zero MoE state) at once; built on
     meta, init.materialize computes the same buffers after to_empty, bit for bit."""
     spec = get_model_spec(family)
     args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=64)
     built = spec.build(args)
-    assert torch.equal(built.rope_cos[0], torch.ones_like(built.rope_cos[0]))  # cos of position 0
+    # cos of position 0, times YaRN's attention factor (gpt-oss; 1 elsewhere)
+    assert torch.equal(built.rope_cos[0], torch.full_like(built.rope_cos[0], built.rope_scale))
     assert built.rope_sin[1:].abs().min() > 0
     expected = {name: buf.clone() for name, buf in built.named_buffers()}
     with torch.device("meta"):

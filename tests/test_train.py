@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from harness import REPO, TINY, _env
+from harness import REPO, TINY, _env, reference
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -39,13 +39,21 @@ def test_default_job_loss_falls_and_metrics_are_written(tmp_path):
 
 
 def test_launcher_resolves_config_and_runs_gloo_ranks(tmp_path):
-    proc, _ = run_sh(["--config", "debug_model.toml", "--job.dump_folder", str(tmp_path), "--training.steps", "12",
-                      "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "4",
-                      "--metrics.enable_tensorboard", "false"], ngpu=2)
+    """The user's multi-rank path: NGPU=2 ./run_train.sh --config NAME (a bare name found in
+    train_configs/) with TP 2, logging every 4th step, against the single-process run."""
+    job = ["--config", "debug_model.toml", "--training.steps", "12", "--training.seq_len", "64",
+           "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false",
+           "--data.holdout_fraction", "0.0"]
+    proc, _ = run_sh([*job, "--job.dump_folder", str(tmp_path), "--metrics.log_freq", "4",
+                      "--parallelism.tensor_parallel_degree", "2"], ngpu=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "dp_shard=2" in proc.stdout
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 4, 8, 12]
+    assert "tp=2" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 4, 8, 12]
+    one = reference([*job, "--metrics.log_freq", "1"]).losses
+    for row in rows:
+        rel = abs(row["loss"] - one[row["step"] - 1]) / abs(one[row["step"] - 1])
+        assert rel <= (1e-6 if row["step"] == 1 else 1e-4), (row, one)
 
 
 def test_lone_process_needs_no_free_port(tmp_path):

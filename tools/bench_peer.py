@@ -1,6 +1,7 @@
 """Peers for `titanlite.tools.bench`: the same model shape trained by other code.
 
-`time_peer` times a Hugging Face transformers LlamaForCausalLM in a plain PyTorch loop
+`time_peer` times the Hugging Face transformers model of the same family (LlamaForCausalLM,
+GptOssForCausalLM, ...) in a plain PyTorch loop
 (DistributedDataParallel over gloo/NCCL when there are several ranks) with the same
 micro-batch, accumulation, dtype, optimizer and thread count as the titanlite run.
 `run_torchtitan` runs torchtitan itself where it is installed on a CUDA machine.
@@ -34,13 +35,25 @@ def hf_llama(args, dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(hf_cfg).to(dtype)
 
 
+def hf_peer(spec, args, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformers model of the family's own config.json (its Hugging Face adapter): Llama's
+    as above, any other family (gpt-oss, Qwen3) as transformers builds it from that config."""
+    if spec.name == "llama3":
+        return hf_llama(args, dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(spec.hf.config_to_hf(args, dtype))
+    hf_cfg = AutoConfig.for_model(config.pop("model_type"), **config, use_cache=False)
+    return AutoModelForCausalLM.from_config(hf_cfg).to(dtype)
+
+
 def time_peer(bench_args, cfg, plan, device: torch.device, dtype: torch.dtype) -> float:
     """Seconds for `bench_args.steps` steps of the transformers peer after its warm-up, on the
     process group titanlite.tools.bench set up; the same batch, optimizer and clipping."""
     t = cfg.training
     torch.manual_seed(t.seed)
     # fp32 master weights with autocast, as titanlite keeps them (FSDP mixed precision or autocast)
-    model = hf_llama(plan.args, torch.float32).to(device)
+    model = hf_peer(plan.spec, plan.args, torch.float32).to(device)
     world = dist.get_world_size()
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from titanlite.checkpoint import mxfp4
 from titanlite.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -185,15 +186,20 @@ def read_safetensors(folder: str | Path, names: Collection[str] | None = None, m
     """The folder's tensors (those in `names`, else all) on CPU; with `meta`, meta tensors of
     their shapes, from the files' headers alone."""
     out: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[Path, tuple[int, ...], str]] = {}  # MXFP4 pairs, checked from the headers
     for path in _weight_files(Path(folder)):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     if names is None or key in names:
+                        if key.endswith((mxfp4.BLOCKS, mxfp4.SCALES)):
+                            part = f.get_slice(key)
+                            quantized[key] = (path, tuple(part.get_shape()), part.get_dtype())
                         out[key] = (torch.empty(f.get_slice(key).get_shape(), device="meta") if meta
                                     else f.get_tensor(key))
         except Exception as e:  # safetensors raises its own error types for truncated headers
             raise ConfigError(f"{path}: unreadable safetensors file ({e})") from None
+    mxfp4.check_headers(quantized)
     return out
 
 

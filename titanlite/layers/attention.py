@@ -104,6 +104,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContex
     if sinks is not None and isinstance(sinks, DTensor):  # under TP: this rank's heads
         sinks = sinks.to_local()
     if ctx.backend == "varlen":
+        if sinks is not None:  # preflight refuses this before launch; callers of the API get it here
+            raise ValueError("attention backend varlen cannot apply attention sinks; use sdpa or flex")
         return _varlen(q, k, v, ctx, window, scale)
     if ctx.cp_group is not None:
         dk = k.shape[-1]  # one all-gather for both, even when Dqk != Dv
@@ -235,17 +237,22 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
     """Each document of each row is a sequence of its own, packed [tokens, heads, dim]."""
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, _ = q.shape
-    docs = ctx.document_ids if ctx.document_ids is not None else torch.zeros(b, s, dtype=torch.long)
-    docs = docs.to(q.device)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=q.device)])
-    cu = bounds.to(torch.int32)
-    longest = int((bounds[1:] - bounds[:-1]).max())  # a host read per layer; varlen needs it
+    cu, longest = ctx.cache.get(("varlen", b, s), lambda: _document_bounds(ctx, b, s, q.device))
     packed = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (q, k, v)]
     out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, enable_gqa=h != k.shape[1],
                       window_size=(-1 if window is None else window - 1, 0))
     return out.view(b, s, h, -1).transpose(1, 2)
+
+
+def _document_bounds(ctx: AttnContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """varlen's cumulative document starts over the packed batch, and its longest document:
+    one host read per batch, shared by every layer and by the recompute under AC."""
+    docs = ctx.document_ids if ctx.document_ids is not None else torch.zeros(b, s, dtype=torch.long)
+    docs = docs.to(device)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([b * s], device=device)])
+    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
 
 
 Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -256,18 +263,20 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE: n_heads query heads share n_kv_heads key/value heads.
     With `qk_norm_eps`, each query and key head is RMS-normalised before RoPE (Qwen3's QK-norm:
     one weight of head_dim elements, shared by all heads). `window`: a sliding window of that
-    many keys; `sinks`: a learned sink logit per query head (gpt-oss)."""
+    many keys; `sinks`: a learned sink logit per query head (gpt-oss); `bias`: biases on the
+    q, k, v and output projections (gpt-oss)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rotate: Rotation,
-                 qk_norm_eps: float | None = None, window: int | None = None, sinks: bool = False):
+                 qk_norm_eps: float | None = None, window: int | None = None, sinks: bool = False,
+                 bias: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.rotate = rotate
         self.window = window
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.k_norm = None if qk_norm_eps is None else nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None

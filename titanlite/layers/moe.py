@@ -49,7 +49,8 @@ class MoEArgs:
     """Width of the shared expert every token passes through (several shared experts are one
     wider one); 0: none."""
     score_func: str = "softmax"
-    """"softmax" over experts (Qwen3-MoE) or per-expert "sigmoid" (DeepSeek-V3)."""
+    """"softmax" over experts (Qwen3-MoE), per-expert "sigmoid" (DeepSeek-V3), or "topk_softmax":
+    the top k logits chosen, then a softmax over those alone (gpt-oss; `renormalize` unused)."""
     renormalize: bool = True
     """Rescale each token's top-k scores to sum to one (Qwen3-MoE's norm_topk_prob)."""
     bias_update_rate: float = 0.0
@@ -68,6 +69,15 @@ class MoEArgs:
     """Factor on the routed experts' gate weights (after renormalisation)."""
     grouped_mm: str = "auto"
     """"auto": grouped GEMM where supported, else the loop; "on": grouped GEMM or an error; "off": loop."""
+    router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss), unlike `expert_bias`, which moves selection only."""
+    expert_biases: bool = False
+    """Biases on each expert's gate, up and down projections (gpt-oss)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's clamped SwiGLU: gate clamped above and up both ways at this limit, then
+    (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: plain SwiGLU."""
+    swiglu_alpha: float = 1.0
+    """The sigmoid's gain in the clamped SwiGLU (1.702 in gpt-oss); used with swiglu_limit only."""
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...],
@@ -112,13 +122,19 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """num_experts SwiGLU MLPs as three stacked weights, in nn.Linear's (out, in) orientation."""
+    """num_experts SwiGLU MLPs as three stacked weights, in nn.Linear's (out, in) orientation,
+    with `biases` b1, b2, b3 beside them and the SwiGLU clamped at `swiglu_limit` (MoEArgs)."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, mode: str = "auto"):
+    def __init__(self, dim: int, hidden: int, num_experts: int, mode: str = "auto", biases: bool = False,
+                 swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # gate
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # down
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # up
+        self.b1, self.b2, self.b3 = ((nn.Parameter(torch.empty(num_experts, hidden)),
+                                      nn.Parameter(torch.empty(num_experts, dim)),
+                                      nn.Parameter(torch.empty(num_experts, hidden))) if biases else (None,) * 3)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.mode = mode
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
         self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
@@ -135,21 +151,39 @@ class GroupedExperts(nn.Module):
             log.info(f"MoE experts run as {path}")
         return reason is None
 
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.swiglu_limit:
+            return F.silu(gate) * up
+        # gpt-oss was trained with this form: the clamps keep a large pre-activation from growing the output
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """x: [N, dim], rows grouped by expert (counts[e] rows for the rank's local expert e, in order).
         `sizes` is counts on the host when the caller has it (the loop needs it)."""
         if self.use_grouped_mm is None:
             self.use_grouped_mm = self._pick(x)
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        b1, b2, b3 = (None if b is None else _local(b) for b in (self.b1, self.b2, self.b3))
         if self.use_grouped_mm:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            h = h * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            if b1 is not None:  # each row's expert, without reading counts on the host
+                rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                               output_size=x.shape[0])
+                gate, up = gate + b1[rows], up + b3[rows]
+            out = F.grouped_mm(self._glu(gate, up), w2.transpose(-2, -1), offs=offs)
+            return out if b2 is None else out + b2[rows]
         sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
-        outs = [F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
-                for e, xe in enumerate(torch.split(x, sizes))]
+        outs = [F.linear(self._glu(F.linear(xe, w1[e], _at(b1, e)), F.linear(xe, w3[e], _at(b3, e))), w2[e],
+                         _at(b2, e)) for e, xe in enumerate(torch.split(x, sizes))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+def _at(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
 
 
 class Router(nn.Module):
@@ -158,7 +192,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
         # Aux-loss-free balancing bias: it moves selection only, never the gate weights. A
         # buffer (not trained by the optimizer), saved in checkpoints; zero unless updated.
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
@@ -166,15 +200,18 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, dim] -> gate weights [T, k], expert ids [T, k], scores [T, E] (float32)."""
         logits = self.gate(x).float()
-        scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        scores = logits.sigmoid() if self.args.score_func == "sigmoid" else logits.softmax(-1)
+        topk_softmax = self.args.score_func == "topk_softmax"
         with torch.no_grad():
-            biased = scores + self.expert_bias
+            chosen = (logits if topk_softmax else scores) + self.expert_bias
             if self.args.n_group > 1:
-                groups = biased.unflatten(-1, (self.args.n_group, -1))
+                groups = chosen.unflatten(-1, (self.args.n_group, -1))
                 best = groups.topk(2, dim=-1).values.sum(-1).topk(self.args.topk_group, dim=-1).indices
                 kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(-1, best, True)
-                biased = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
-            expert_ids = torch.topk(biased, self.args.top_k, dim=-1).indices
+                chosen = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
+            expert_ids = torch.topk(chosen, self.args.top_k, dim=-1).indices
+        if topk_softmax:
+            return logits.gather(-1, expert_ids).softmax(-1), expert_ids, scores
         weights = scores.gather(-1, expert_ids)
         if self.args.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -197,7 +234,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE top_k {args.top_k} must be between 1 and num_experts {args.num_experts}")
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm)
+        self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm, args.expert_biases,
+                                      args.swiglu_limit, args.swiglu_alpha)
         self.shared = FeedForward(dim, args.shared_hidden, F.silu) if args.shared_hidden else None
         # tokens routed to each expert since the last optimizer step, for balancing and metrics;
         # not saved (the step's counts are consumed by the post-step hook)
