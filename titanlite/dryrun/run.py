@@ -41,6 +41,7 @@ from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
+from titanlite.layers import init
 from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
 from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
@@ -153,7 +154,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
     with fake:
         # weights stay uninitialised: their values do not change what the step allocates or sends
         for part in parts:
-            part.to_empty(device="cpu")
+            init.to_empty(part, "cpu")  # a tied weight counted once, as a real run holds it
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))

@@ -48,10 +48,8 @@ def ones_(param: torch.Tensor) -> None:
     param.fill_(1.0)
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate a meta-built (and parallelized) model on `device`, then give it values:
-    `model.init_buffers()` (what construction computes, e.g. RoPE tables), then
-    `model.init_weights(seed)`. Shared (tied) parameters stay shared: `to_empty` replaces
+def to_empty(model: nn.Module, device: torch.device | str) -> None:
+    """`model.to_empty(device)` with shared (tied) parameters kept shared: `to_empty` replaces
     plain parameters one by one, which would untie them."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -61,5 +59,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         for name in rest:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-built (and parallelized) model on `device`, ties kept (`to_empty`), then
+    give it values: `model.init_buffers()` (what construction computes, e.g. RoPE tables), then
+    `model.init_weights(seed)`."""
+    to_empty(model, device)
     model.init_buffers()
     model.init_weights(seed)
