@@ -22,6 +22,7 @@ from titanlite.config import load as config
 
 from titanlite.dryrun import run as dryrun_module
 
+from titanlite.config.preflight import preflight
 from titanlite.dryrun import hardware
 from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec
@@ -38,6 +39,18 @@ def _scale(path: Path) -> int:
     found = re.search(r"^# Intended scale: (\d+) GPU", path.read_text(), re.M)
     assert found, f"{path.name}: the header must name its intended scale ('# Intended scale: N GPUs')"
     return int(found.group(1))
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_configs_dry_run_by_hand_pass_preflight_at_their_scale(name):
+    """Their full dry runs are in docs/scaling.md; here, at their intended scale, the layout and
+    model checks pass and the model state (fp32 weights, gradients and AdamW's two moments)
+    spread over every rank fits an 80 GiB GPU."""
+    path = REPO / "train_configs" / f"{name}.toml"
+    ngpu = _scale(path)
+    cfg, _ = config.load(["--config", str(path)])
+    plan = preflight(cfg, ngpu, data=False)
+    assert plan.n_params * 16 / ngpu / 2**30 < 80, (name, plan.n_params, ngpu)
 
 
 def test_shallow_trace_replayed_equals_every_block(monkeypatch):
