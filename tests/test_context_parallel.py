@@ -84,12 +84,10 @@ def test_cp2_matches_single_process_in_training_and_validation():
         assert abs(a - b) / a < 1e-5, (ref.val_losses, run.val_losses)
 
 
-@pytest.mark.parametrize("nproc,layout", [
-    (4, ["--parallelism.context_parallel_degree", "4"]),
-    (4, [*CP2, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
-])
-def test_cp_matches_single_process(nproc, layout):
+def test_cp4_matches_single_process():
+    """cp 4 (four head-tail chunk pairs); cp composed with FSDP, TP, EP and PP is in the family
+    parity tests (qwen3 fsdp2_cp2_tp2, gpt_oss, deepseek_v3, qwen3_moe ep2xcp2xpp2)."""
     ref = reference(TINY)
-    run = train(nproc, [*TINY, *layout])
+    run = train(4, [*TINY, "--parallelism.context_parallel_degree", "4"])
     assert_parity(ref.losses, run.losses)
     assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)

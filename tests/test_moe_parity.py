@@ -13,18 +13,16 @@ MOE = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8"]
 BALANCE = ["--moe.aux_loss_coeff", "0.01", "--moe.bias_update_rate", "0.001"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 LAYOUTS = {
-    "ep2": (2, ["--training.local_batch_size", "4", *EP2]),
     # experts split in two, each half FSDP-sharded over two ranks
     "ep2xdp2": (4, ["--training.local_batch_size", "2", *EP2]),
-    # expert-parallel ranks taken from the context-parallel ones
-    "ep2xcp2": (4, ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2",
-                    "--parallelism.context_parallel_degree", "2", *EP2]),
+    # experts whole on each rank (ep = dp_shard: no FSDP over experts)
     "ep4_op_ac": (4, ["--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "4",
                       "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"]),
     # attention and output split over tp (sequence and loss parallel); each tp rank routes its
     # own sequence shard, the expert-parallel group is the tp pair, experts FSDP-sharded over dp
     "ep2xtp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *EP2]),
-    # two stages, four pipeline micro-batches of two rows: the reference accumulates the same four
+    # expert-parallel ranks taken from the context-parallel ones; two stages, four pipeline
+    # micro-batches of two rows: the reference accumulates the same four
     "ep2xcp2xpp2": (4, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                         "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                         "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2", *EP2], 2),
