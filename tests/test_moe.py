@@ -72,6 +72,20 @@ def test_grouped_gemm_and_loop_agree_in_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_experts_compute_in_the_autocast_dtype():
+    """Without FSDP, mixed precision is autocast, which does not cover grouped_mm: the experts
+    cast themselves, for a float32 input (a block's residual stream) and a bfloat16 one (an
+    input autocast already cast, as DeepSeek-V3's MTP block gets), on both paths."""
+    for mode in ("on", "off"):
+        moe = _moe(dataclasses.replace(ARGS, grouped_mm=mode))
+        want = moe(_x())
+        for x in (_x(), _x().bfloat16()):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = moe.experts(x.reshape(-1, DIM)[:16], torch.tensor([16] + [0] * 7))
+            assert out.dtype == torch.bfloat16, (mode, x.dtype)
+        assert want.dtype == torch.float32
+
+
 def test_grouped_gemm_forced_where_unsupported_says_why():
     moe = _moe(dataclasses.replace(ARGS, hidden=33, grouped_mm="on"))  # 33 x 4 bytes: not 16-byte strides
     with pytest.raises(RuntimeError, match="grouped_mm = on, but .*16 bytes"):

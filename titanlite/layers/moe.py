@@ -166,6 +166,12 @@ class GroupedExperts(nn.Module):
             self.use_grouped_mm = self._pick(x)
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         b1, b2, b3 = (None if b is None else _local(b) for b in (self.b1, self.b2, self.b3))
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast (mixed precision without FSDP) does not cover grouped_mm: without this the
+            # experts would run in float32, or fail on an input autocast has already cast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+            b1, b2, b3 = (None if b is None else b.to(dtype) for b in (b1, b2, b3))
         if self.use_grouped_mm:
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
