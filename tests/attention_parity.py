@@ -26,8 +26,8 @@ def reference(q, k, v, docs, window, sinks, scale):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-1, -2) * scale
-    i = torch.arange(q.shape[2])[:, None]
-    j = torch.arange(k.shape[2])[None, :]
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
     mask = (j <= i)[None, None]
     if window is not None:
         mask = mask & (i - j < window)
