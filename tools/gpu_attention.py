@@ -1,7 +1,8 @@
 """The attention seam on a CUDA GPU: what the CPU cannot run (flex's backward, compiled flex,
 varlen, sdpa's GPU kernels), checked against the dense reference and timed.
 
-`python -m titanlite.tools.gpu_attention [--out FILE] [--seq 8192 32768]`
+`python -m titanlite.tools.gpu_attention [--out FILE] [--seq 8192 32768]`, from a checkout (the cases and the
+dense reference are tests/attention_parity.py's)
 
 1. Parity: every mask kind of tests/attention_parity.py (documents, a window straddling the
    query blocks, sinks, v narrower than q/k) under sdpa and flex in float32 (outputs
