@@ -54,6 +54,6 @@ def test_every_gradient_matches_under_expert_parallel():
 def test_compiled_dense_parts_under_ep2_match_single_process():
     # attention compiled per block, the MoE layers (data-dependent shapes) eager
     ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
-    run = train(2, [*MOE, *BALANCE, *LAYOUTS["ep2"][1], "--compile.enable", "true",
+    run = train(2, [*MOE, *BALANCE, "--training.local_batch_size", "4", *EP2, "--compile.enable", "true",
                     "--compile.components", "model,loss"])
     assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
