@@ -4,10 +4,9 @@ import pytest
 from harness import TINY, assert_grad_parity, assert_parity, reference, train
 
 QWEN3 = [*TINY, "--model.name", "qwen3", "--training.global_batch_size", "4"]
-# Qwen3's own TP plan alone, then every dimension at once (FSDP and CP alone are Llama 3's
-# tests: the family differs from it in its blocks, which the 3-D layout runs under all three)
+# Every dimension at once, with tied embeddings (FSDP and CP alone are Llama 3's tests: the
+# family differs from it in its blocks); its TP plan alone is in the gradient and compile tests
 LAYOUTS = {
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_cp2_tp2": (8, ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
                           "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }

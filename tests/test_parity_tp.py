@@ -49,12 +49,6 @@ def test_tp_without_sequence_parallel():
     _check(ref, train(4, [*_parallel(1, 2, 2, False), "--parallelism.sequence_parallel", "false"]))
 
 
-def test_tied_embeddings_under_fsdp_and_tp():
-    tied = ["--model.flavor", "debugmodel_tied"]
-    ref = reference([*GLOBAL4, "--training.local_batch_size", "4", *tied])
-    _check(ref, train(4, [*_parallel(1, 2, 2, True), *tied]))
-
-
 @pytest.mark.parametrize("extra,world,message", [
     (["--parallelism.tensor_parallel_degree", "3"], 3,
      "n_heads 8 is not divisible by parallelism.tensor_parallel_degree 3"),
