@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from titanlite.errors import ConfigError
+from titanlite.parallel.expert import check_expert_layout
 from titanlite.parallel.mesh import ParallelDims
 from titanlite.parallel.tensor import TPPlan, apply_tp, check_tp, decoder_plan
 
@@ -66,15 +67,7 @@ def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
     if args.mtp_layers and dims.pp > 1 and args.n_layers < dims.pp:
         raise ConfigError(f"{args.mtp_layers} MTP depth(s) go on the last of {dims.pp} pipeline stages, which "
                           f"needs at least one of the model's {args.n_layers} blocks; lower pipeline_parallel_degree")
-    if dims.tp > 1 and dims.ep % dims.tp:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: MoE blocks under tensor_parallel_degree "
-                          f"{dims.tp} need an expert-parallel degree that is a multiple of it; use {dims.tp}")
-    if args.moe.num_experts % dims.ep:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} does not divide the model's "
-                          f"{args.moe.num_experts} experts; pick a degree that divides it")
-    if not 1 <= args.moe.top_k <= args.moe.num_experts:
-        raise ConfigError(f"the model's top_k {args.moe.top_k} must be between 1 and its "
-                          f"{args.moe.num_experts} experts")
+    check_expert_layout(args.moe, dims)
 
 
 class Replicated(ParallelStyle):

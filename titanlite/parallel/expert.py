@@ -26,7 +26,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titanlite.layers.moe import GroupedExperts, MoE
+from titanlite.errors import ConfigError
+from titanlite.layers.moe import GroupedExperts, MoE, MoEArgs
+from titanlite.parallel.mesh import ParallelDims
+
+
+def check_expert_layout(moe: MoEArgs, dims: ParallelDims) -> None:
+    """What every MoE family refuses before launch: an ep degree its experts or tp cannot serve."""
+    if dims.tp > 1 and dims.ep % dims.tp:
+        # each tp rank routes its own tokens; experts are split over ep groups of whole tp groups
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: MoE blocks under tensor_parallel_degree "
+                          f"{dims.tp} need an expert-parallel degree that is a multiple of it; use {dims.tp}")
+    if moe.num_experts % dims.ep:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep} does not divide the model's "
+                          f"{moe.num_experts} experts; pick a degree that divides it")
+    if not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"the model's top_k {moe.top_k} must be between 1 and its {moe.num_experts} experts")
 
 
 def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
