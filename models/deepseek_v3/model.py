@@ -153,14 +153,7 @@ class Transformer(Decoder):
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits."""
-        if ctx is not None and ctx.positions is not None:
-            cos, sin = self.rope_cos[ctx.positions], self.rope_sin[ctx.positions]
-        else:
-            cos, sin = self.rope_cos[: tokens.shape[1]][None], self.rope_sin[: tokens.shape[1]][None]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, ctx)
+        h, cos, sin = self.hidden(tokens, ctx)
         if isinstance(self.mtp, nn.ModuleDict) and len(self.mtp):  # nn.Identity before the last stage
             ids = tokens if not tokens.is_floating_point() else getattr(ctx, "tokens", None)
             if ids is None:

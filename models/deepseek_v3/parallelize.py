@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from titanlite.errors import ConfigError
 from titanlite.parallel.expert import check_expert_layout
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.parallel.tensor import TPPlan, apply_tp, check_tp, decoder_plan
+from titanlite.parallel.tensor import TPPlan, apply_tp, check_tp, decoder_plan, run_whole
 
 from .model import ModelArgs
 
@@ -75,14 +75,7 @@ class Replicated(ParallelStyle):
     become Replicate DTensors, whose gradients are complete on every rank."""
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
-
-        return distribute_module(module, mesh, params,
-                                 input_fn=lambda mod, inputs, mesh: tuple(
-                                     DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
-                                 output_fn=lambda mod, out, mesh: out.to_local())
+        return run_whole(module, mesh, Replicate())
 
 
 class SumGradOverHeads(ParallelStyle):

@@ -128,6 +128,13 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits
         [B, S, vocab] (or hidden states on an earlier stage)."""
+        h, _, _ = self.hidden(tokens, ctx)
+        return self.output(self.norm(h))
+
+    def hidden(self, tokens: torch.Tensor, ctx: AttnContext | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last block's output, before the final norm, and the RoPE tables it used (a family
+        that runs more after the blocks, as DeepSeek-V3's MTP, reuses them)."""
         if ctx is not None and ctx.positions is not None:
             cos, sin = self.rope_cos[ctx.positions], self.rope_sin[ctx.positions]
         else:
@@ -136,7 +143,7 @@ class Decoder(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, ctx)
-        return self.output(self.norm(h))
+        return h, cos, sin
 
 
 def attention_params(args: DecoderArgs) -> int:

@@ -59,20 +59,27 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
                       output_fn=lambda mod, out, mesh: out.to_local())
 
 
+def run_whole(module: nn.Module, mesh: DeviceMesh, inputs: Placement) -> nn.Module:
+    """`module` whole on every tp rank: its parameters Replicate DTensors, its plain inputs taken
+    as `inputs` (Replicate: the same tensor on every rank; Shard(0): each rank's own tokens), its
+    output handed back plain."""
+    def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+
+    return distribute_module(module, mesh, params,
+                             input_fn=lambda mod, xs, mesh: tuple(DTensor.from_local(x, mesh, [inputs], run_check=False)
+                                                                  for x in xs),
+                             output_fn=lambda mod, out, mesh: out.to_local())
+
+
 class TokenParallel(ParallelStyle):
     """Run a module whole on every TP rank, on that rank's own tokens (dim 0 of its inputs), as
     a MoE layer's router does under sequence parallel. Its parameters are Replicate DTensors
     used on Shard(0) inputs, so their gradients come out Partial and are summed over tp."""
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
-
-        return distribute_module(module, mesh, params,
-                                 input_fn=lambda mod, inputs, mesh: tuple(
-                                     DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs),
-                                 output_fn=lambda mod, out, mesh: out.to_local())
+        return run_whole(module, mesh, Shard(0))
 
 
 def check_tp(tp: int, n_kv_heads: int, sizes: dict[str, int]) -> None:
