@@ -244,7 +244,7 @@ def _meta_model(cfg):
 def test_cli_writes_the_report(tmp_path, capsys):
     out = tmp_path / "r.json"
     main(["--config", "debug_model.toml", "--ngpu", "4", "--gpu", "a100", "--out", str(out),
-          "--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2"])
+          "--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"])
     rep = json.loads(out.read_text())
     assert rep["world_size"] == 4 and rep["layout"]["tp"] == 2 and rep["layout"]["dp_shard"] == 2
     (role,) = rep["roles"]
@@ -253,7 +253,11 @@ def test_cli_writes_the_report(tmp_path, capsys):
     kinds = {name.split(" ")[0] for name in role["collectives"]}
     assert {"all_gather[dp_shard_cp]", "reduce_scatter[dp_shard_cp]", "all_gather[tp]", "reduce_scatter[tp]"} <= kinds
     assert rep["predicted"]["gpu"] == "a100" and rep["predicted"]["mfu_pct"] > 0
-    assert "predicted on a100" in capsys.readouterr().out
+    # the eager trace timed as compiled blocks (fused memory-bound ops), and eager beside it
+    pred = rep["predicted"]
+    assert rep["config"]["compile"] and pred["tokens_per_sec_per_gpu"] > pred["tokens_per_sec_per_gpu_eager"] > 0
+    printed = capsys.readouterr().out
+    assert "predicted on a100" in printed and "the same step eager (compile.enable false)" in printed
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -1,8 +1,9 @@
 """The step-time model against published runs, and the layout planner.
 
-Each published run (titanlite.dryrun.calibration.RUNS: TorchTitan's on 64 A100 and on 8 to 128
-H100) is dry-run at its layout and its predicted tokens/s per GPU held within 15% of the
-published figure, the runs that fitted the model's two factors and the held-out ones alike."""
+Each published run (titanlite.dryrun.calibration.RUNS: TorchTitan's on 64 A100 and on 8 to 256
+H100, eager and compiled) is dry-run at its layout and its predicted tokens/s per GPU held
+within 15% of the published figure, the runs that fitted the model's three factors and the
+held-out ones alike (a run and its compiled twin share one trace)."""
 
 from __future__ import annotations
 

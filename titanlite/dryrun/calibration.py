@@ -8,6 +8,7 @@ which runs fitted the two factors of titanlite.dryrun.timing and which are held 
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -16,6 +17,9 @@ from titanlite.dryrun import hardware
 from titanlite.dryrun.run import dry_run, report
 
 PERF = "TorchTitan docs/performance.md"
+ASYNC_TP = "TorchTitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+_COMPILED = ("--compile.enable", "true")
+_SEL_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op")
 _FSDP_ONLY = ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.tensor_parallel_degree", "1",
               "--training.local_batch_size", "1"]
 
@@ -46,19 +50,39 @@ RUNS = [
     Published("llama3_405b_h100_fsdp_tp", ("--config", "llama_405b.toml", "--parallelism.pipeline_parallel_degree",
               "1", "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"), 128, "h100_500w",
               109, 29.0, True, f"{PERF} (2024, 128 H100 Grand Teton, FSDP 16 x TP 8, batch 2 x 8192)"),
-    Published("llama3_8b_h100_8gpu", ("--config", "llama_8b.toml", "--training.local_batch_size", "2",
-              "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"), 8,
+    Published("llama3_8b_h100_8gpu", ("--config", "llama_8b.toml", "--training.local_batch_size", "2", *_SEL_OP), 8,
               "h100_500w", 5762, None, False, f"{PERF} (2025, Table 1: 8 H100 Grand Teton, FSDP, eager)"),
-    Published("llama3_8b_h100_128gpu", ("--config", "llama_8b.toml", "--training.local_batch_size", "2",
-              "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_type", "op"), 128,
+    Published("llama3_8b_h100_128gpu", ("--config", "llama_8b.toml", "--training.local_batch_size", "2", *_SEL_OP), 128,
               "h100_500w", 5605, None, False, f"{PERF} (2025, Table 3: 128 H100 Grand Teton, FSDP, eager)"),
+    Published("llama3_8b_h100_8gpu_compiled", ("--config", "llama_8b.toml", "--training.local_batch_size", "2",
+              *_SEL_OP, *_COMPILED), 8, "h100_500w", 6667, None, True,
+              f"{PERF} (2025, Table 1: 8 H100 Grand Teton, FSDP + torch.compile)"),
+    Published("llama3_8b_h100_128gpu_compiled", ("--config", "llama_8b.toml", "--training.local_batch_size", "2",
+              *_SEL_OP, *_COMPILED), 128, "h100_500w", 6514, None, False,
+              f"{PERF} (2025, Table 3: 128 H100 Grand Teton, FSDP + torch.compile)"),
+    Published("llama3_8b_h100_fsdp_tp_compiled", ("--config", "llama_8b.toml", "--training.local_batch_size", "12",
+              "--parallelism.data_parallel_shard_degree", "8", "--parallelism.tensor_parallel_degree", "8",
+              *_SEL_OP, *_COMPILED), 64, "h100_500w", 4378, None, False,
+              f"{ASYNC_TP} (June 2025, 64 H100 Grand Teton, FSDP 8 x TP 8, torch.compile, vanilla TP, bf16)"),
+    Published("llama3_70b_h100_fsdp_tp_compiled", ("--config", "llama_70b.toml", "--training.local_batch_size", "16",
+              "--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_shard_degree", "32",
+              "--activation_checkpoint.mode", "full", *_COMPILED), 256, "h100_500w", 597.3, None, False,
+              f"{ASYNC_TP} (June 2025, 256 H100 Grand Teton, FSDP 32 x TP 8, torch.compile, vanilla TP, bf16)"),
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def _traced(argv: tuple[str, ...], ngpu: int) -> dict:
+    cfg, _ = config_load.load(list(argv))
+    return dry_run(cfg, ngpu)
+
+
 def predict(run: Published) -> dict:
-    """The dry run's report of `run` on its GPU."""
-    cfg, _ = config_load.load(list(run.argv))
-    return report(dry_run(cfg, run.ngpu), hardware.get_gpu(run.gpu))
+    """The dry run's report of `run` on its GPU. One eager trace times a step both eager and
+    compiled, so a run and its compiled twin share it."""
+    compiled = run.argv[-len(_COMPILED):] == _COMPILED
+    result = _traced(run.argv[:-len(_COMPILED)] if compiled else run.argv, run.ngpu)
+    return report({**result, "config": {**result["config"], "compile": compiled}}, hardware.get_gpu(run.gpu))
 
 
 def main(argv: list[str]) -> None:

@@ -53,7 +53,8 @@ from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
-    dtype that `auto` picks there, no compile (eager memory is an upper bound of compiled),
+    dtype that `auto` picks there, no compile (eager memory is an upper bound of compiled;
+    timing.step_times times the compiled blocks from the same trace),
     and a throw-away dump folder (preflight checks it is writable). Attention is traced with
     the sdpa backend: flex's and varlen's kernels cannot run on fake CPU tensors, and sdpa's
     blocked path holds the same linear memory (the report says so)."""
@@ -211,7 +212,8 @@ class Role:
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
-    times: dict[str, timing.StepTimes]
+    times: dict[tuple[str, bool], timing.StepTimes]
+    """By GPU and whether the blocks are compiled (one eager trace times both)."""
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
 
@@ -225,7 +227,8 @@ def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
     that can hide behind it) and the rest."""
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
-    times = {gpu.name: timing.step_times(tr, n, period, gpu) for gpu in hardware.GPUS.values()}
+    times = {(gpu.name, compiled): timing.step_times(tr, n, period, gpu, compiled)
+             for gpu in hardware.GPUS.values() for compiled in (False, True)}
     return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
 
 
@@ -247,6 +250,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             device: str = "cuda") -> dict:
     """Preflight the job as `world_size` ranks on `device`, trace each role's step."""
     backend = cfg.model.attn_backend
+    compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
     plan = preflight(cfg, world_size, data=False)  # a dry run reads no data: it plans any size of job
     check_attention(backend, plan.args, plan.dims.cp, device == "cuda")
@@ -266,7 +270,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
-                       "attn_backend": backend},
+                       "attn_backend": backend, "compile": compiled},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -285,10 +289,11 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     # the schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones
     bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
                                           // result["layout"]["pp"])
-    roles, step_s = [], 0.0
+    roles, step_s, other_s, key = [], 0.0, 0.0, (gpu.name, cfg["compile"])
     for role in result["_roles"]:
         peak = role.peaks[role.peak_phase]
-        step_s = max(step_s, role.times[gpu.name].step(*bubble))
+        step_s = max(step_s, role.times[key].step(*bubble))
+        other_s = max(other_s, role.times[gpu.name, not cfg["compile"]].step(*bubble))
         roles.append({
             "rank": role.rank, "traced_blocks": role.traced_blocks, "copied_calls": role.copied_calls,
             "peak_phase": role.peak_phase,
@@ -298,8 +303,8 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": role.times[gpu.name].step(*bubble),
-            "step_terms_s": dataclasses.asdict(role.times[gpu.name])})
+            "step_s": role.times[key].step(*bubble),
+            "step_terms_s": dataclasses.asdict(role.times[key])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
     if pipe is not None:
@@ -307,6 +312,8 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg, "roles": roles,
             "predicted": {"gpu": gpu.name, "step_s": step_s, "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
+                          # the same trace timed the other way: what compile.enable would change
+                          f"tokens_per_sec_per_gpu_{'eager' if cfg['compile'] else 'compiled'}": tokens / other_s / world,
                           "fits": all(r["memory_gib"]["peak"] <= gpu.memory_gib for r in roles)}}
 
 
@@ -315,7 +322,7 @@ def print_table(rep: dict) -> None:
     print(f"{cfg['model']} {cfg['flavor']} on {rep['world_size']} ranks: "
           + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
           + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
-          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}")
+          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}")
     if cfg["attn_backend"] != "sdpa":
         print(f"attention: model.attn_backend {cfg['attn_backend']} traced as sdpa (its kernels cannot run on "
               "fake CPU tensors); memory and collectives are sdpa's, time a roofline of the same FLOPs")
@@ -337,6 +344,9 @@ def print_table(rep: dict) -> None:
     print(f"predicted on {pred['gpu']}: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
           f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
+    other = "eager" if cfg["compile"] else "compiled"
+    print(f"  the same step {other} (compile.enable {str(not cfg['compile']).lower()}): "
+          f"{pred['tokens_per_sec_per_gpu_' + other]:,.0f} tokens/s/GPU")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 Compute is timed per op class at rates measured on real hardware (hardware.GPU: the best matmul
 rate a GPU reaches, FlashAttention-2's attention rates), memory-bound ops at HBM bandwidth, plus
 a launch gap per eager kernel; collectives per link (NVLink inside a node, the per-GPU network
-across nodes) at NCCL's bus efficiency plus a latency each. Two factors are fitted to published
-runs (MATMUL_SUSTAINED, HBM_ACHIEVED); docs/scaling.md states every constant, its source and
-the calibration, with the runs held out of it.
+across nodes) at NCCL's bus efficiency plus a latency each. The trace is eager; a compiled
+job's blocks are timed with their memory-bound ops fused. Three factors are fitted to published
+runs (MATMUL_SUSTAINED, HBM_ACHIEVED, COMPILED_MEMORY_SHARE); docs/scaling.md states every
+constant, its source and the calibration, with the runs held out of it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ HBM_ACHIEVED = 0.51
 # link's (nccl-tests reach ~80% of NVLink and ~90% of a 200/400 Gb/s NIC), with a fixed latency
 # per collective (nccl-tests' small-message times: ~10 us in a node, ~30 us across nodes).
 KERNEL_GAP_S = 2e-6
+# Fitted to the one published compiled run calibration.RUNS marks (docs/scaling.md): in a block
+# that torch.compile fuses, its memory-bound ops (norms, RoPE, SwiGLU's products, casts, the
+# residual adds) run as fewer kernels that keep intermediates in registers; they move this share
+# of the eager ops' bytes, with a launch gap per fused kernel taken as the same share of the
+# eager ops' count. Matmuls and attention keep their kernels.
+COMPILED_MEMORY_SHARE = 0.54
 LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.90}
 LATENCY_S = {"nvlink": 10e-6, "network": 30e-6}
 
@@ -59,8 +66,11 @@ def op_seconds(flops: float, nbytes: float, kind: str, kernels: float, gpu: GPU)
     return max(t, mem) + kernels * KERNEL_GAP_S
 
 
-def compute_seconds(ops: list[tuple], gpu: GPU) -> float:
-    return sum(op_seconds(*op, gpu) for op in ops)
+def compute_seconds(ops: list[tuple], gpu: GPU, compiled: bool = False) -> float:
+    """The ops one after another; `compiled`: as a compiled block runs them (memory-bound ops fused)."""
+    share = COMPILED_MEMORY_SHARE if compiled else 1.0
+    return sum(op_seconds(f, b * share, c, k * share, gpu) if c == "memory" else op_seconds(f, b, c, k, gpu)
+               for f, b, c, k in ops)
 
 
 # Bytes each rank sends per byte of the full buffer, for ring algorithms on a group of n
@@ -109,14 +119,16 @@ class StepTimes:
         return busy * (slots + pp - 1) / slots
 
 
-def step_times(tr, n: int, period: int, gpu: GPU) -> StepTimes:
+def step_times(tr, n: int, period: int, gpu: GPU, compiled: bool = False) -> StepTimes:
     """A trace's (titanlite.dryrun.steptrace.Trace) time terms on `gpu`: what each of the `n`
-    blocks adds (its compute; the FSDP traffic that can hide behind it) and the rest."""
+    blocks adds (its compute; the FSDP traffic that can hide behind it) and the rest. The trace
+    is eager; `compiled` times the blocks as torch.compile runs them (the rest stays eager)."""
     def comm_s(cs: list, overlapped: bool, edge: bool = False) -> float:
         return sum(comm_seconds(c.kind, c.bytes, c.count, c.ranks, gpu) for c in cs
                    if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped
                    and (not edge or c.phase == "forward" or c.kind != "all_gather"))
 
-    cb, ob = compute_seconds(tr.block_ops, gpu) / period, comm_s(tr.block_comms, True) / period
-    return StepTimes(cb, compute_seconds(tr.ops, gpu) - n * cb, ob, comm_s(tr.comms, True) - n * ob,
+    eager_block = compute_seconds(tr.block_ops, gpu) / period
+    cb, ob = compute_seconds(tr.block_ops, gpu, compiled) / period, comm_s(tr.block_comms, True) / period
+    return StepTimes(cb, compute_seconds(tr.ops, gpu) - n * eager_block, ob, comm_s(tr.comms, True) - n * ob,
                      comm_s(tr.comms, False), comm_s(tr.block_comms, True, edge=True) / period, n)
