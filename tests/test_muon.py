@@ -81,6 +81,16 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest():
                                                   "moe.experts.w3"}
     assert "layers.0.moe.router.gate.weight" in adamw and "layers.0.attention.q_norm.weight" in adamw
     assert {"tok_embeddings.weight", "output.weight", "norm.weight"} <= set(adamw)
+    # DeepSeek-V3: the shared experts are a dense feed-forward; the MTP depth's block is a block
+    spec = get_model_spec("deepseek_v3")
+    with torch.device("meta"):
+        model = spec.build(model_args(spec, "debugmodel", 0, 32))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, adamw = (set(names[id(p)] for p in ps) for ps in split_params(model, ["attention", "feed_forward"]))
+    assert {"layers.1.moe.shared.w1.weight", "mtp.0.block.moe.shared.w2.weight", "mtp.0.block.attention.wkv_b.weight",
+            "layers.0.feed_forward.w3.weight"} <= muon
+    assert {"mtp.0.eh_proj.weight", "mtp.0.block.moe.router.gate.weight", "mtp.0.block.attention.kv_norm.weight",
+            "layers.1.moe.experts.w1"} <= adamw
 
 
 def test_every_muon_update_matches_one_process_and_each_matrix_is_orthogonalised_once():

@@ -2,7 +2,7 @@
 and heads, and the debug model against its dense twin of the same activated size (MFU ratio).
 
     OMP_NUM_THREADS=1 python -m titanlite.tools.bench_mla --layer [--rounds 10] [--seq-len 1024]
-    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_mla [--warmup 2] [--steps 4] [--repeat 2]
+    OMP_NUM_THREADS=1 python -m titanlite.tools.bench_mla [--warmup 2] [--steps 4] [--repeat 2] [--pair 100M]
 
 --layer: forward + backward of one attention layer (projections, RoPE and the attention seam),
 MLA and GQA interleaved round after round in one process, each keeping its best round (on a
@@ -10,10 +10,11 @@ shared machine the rounds others slowed down drop out). Shapes: dim 1024, 16 que
 MLA with DeepSeek-V3's proportions (kv_lora_rank 256, q_lora_rank 384, qk_nope 64, qk_rope 32,
 v 64); GQA with head_dim 64 and 4 KV heads (Llama 3's ratio).
 
-Without --layer: the real trainer (`python -m titanlite.tools.bench`, one process) on
-deepseek_v3 debugmodel and debugmodel_dense (every block, the MTP one included, dense with
-a 210-wide feed-forward: the same activated parameters), MFU over the matmul rate each run
-measures. Prints Markdown tables.
+Without --layer: the real trainer (`python -m titanlite.tools.bench`, one process) on a
+deepseek_v3 flavor and its dense twin of the same activated parameters (every block, the MTP
+one included, dense): debugmodel and debugmodel_dense (210-wide feed-forward), or with --pair
+100M, 100M and 100M_dense (~100M activated), MFU over the matmul rate each run measures.
+Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -83,13 +84,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--pair", choices=("debugmodel", "100M"), default="debugmodel")
     args = p.parse_args()
     if args.layer:
         time_layers(args.rounds, args.seq_len)
         return
     print("| model | ms/step | tok/s | activated GFLOP/token | matmul GFLOP/s | MFU % |")
     print("|---|---:|---:|---:|---:|---:|")
-    for flavor in ("debugmodel", "debugmodel_dense"):
+    for flavor in (args.pair, f"{args.pair}_dense"):
         r = bench(flavor, args)
         print(f"| {flavor} | {r['ms_per_step']:.0f} | {r['tokens_per_sec_per_device']:,.0f} | "
               f"{r['flops_per_token'] / 1e9:.4f} | {r['matmul_tflops_measured'] * 1e3:.1f} | {r['mfu_pct']:.1f} |",

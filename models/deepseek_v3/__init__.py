@@ -46,6 +46,15 @@ flavors: dict[str, ModelArgs] = {
                     rope_theta=50000.0, max_seq_len=131072),
 }
 
+# ~100M activated parameters per token (output head counted for the MTP depth too), ~300M in
+# all: DeepSeek-V3's proportions at Llama 3 100M's width, for CPU benchmarks (docs/benchmarks.md)
+flavors["100M"] = ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=16384, q_lora_rank=0,
+                            kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                            ffn_hidden=1536, n_dense_layers=1, moe=_moe(16, 2, 512, 1, 2.5, n_group=4, topk_group=2),
+                            mtp_layers=1, max_seq_len=4096)
+# its dense twin: every block (the MTP one included) a 1536-wide feed-forward, the MoE blocks'
+# two routed experts + the shared one less their 768 x 16 router
+flavors["100M_dense"] = dataclasses.replace(flavors["100M"], n_dense_layers=13)
 # benchmark twin (docs/benchmarks.md): every block and the MTP one dense, 210 wide, so the same
 # feed-forward weights per token as the debug model's dense block + 3 x (router, top 2 + shared)
 flavors["debugmodel_dense"] = dataclasses.replace(flavors["debugmodel"], n_dense_layers=4, ffn_hidden=210)

@@ -146,8 +146,8 @@ class Optimizer:
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)."""
     muon_groups: list[str] = field(default_factory=lambda: ["attention", "feed_forward", "experts"])
-    """Block matrices Muon updates: attention (projections), feed_forward (dense MLP), experts
-    (each MoE expert's matrices, one at a time); the rest go to AdamW."""
+    """Block matrices Muon updates: attention (projections), feed_forward (dense MLP, MoE
+    shared experts), experts (each routed expert's matrices, one at a time); the rest go to AdamW."""
     implementation: str = "fused"
     """fused (one kernel per step for all parameters) or foreach (a few multi-tensor kernels
     per update term; each reads and writes the whole optimizer state again)."""

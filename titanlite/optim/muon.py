@@ -32,13 +32,23 @@ NS_EPS = 1e-7
 
 def muon_group(name: str, p: torch.Tensor) -> str | None:
     """The muon_groups entry a parameter belongs to, or None (AdamW): the 2-D matrices of a
-    block's attention and feed_forward, and the [n_experts, A, B] weights of its experts."""
+    block's attention and feed_forward (a MoE's always-on shared experts are a dense
+    feed-forward), and the [n_experts, A, B] weights of its routed experts. A multi-token
+    prediction depth's block (mtp.N.block) is a block like the others."""
     parts = [s for s in name.split(".") if not s.startswith("_")]  # compile/checkpoint wrappers
-    if len(parts) < 4 or parts[0] != "layers":
+    if parts[:1] == ["layers"]:
+        inner = parts[2:]
+    elif parts[:1] == ["mtp"] and parts[2:3] == ["block"]:
+        inner = parts[3:]
+    else:
         return None
-    if "experts" in parts:
+    if "experts" in inner:
         return "experts" if p.ndim == 3 else None
-    return parts[2] if parts[2] in ("attention", "feed_forward") and p.ndim == 2 else None
+    if p.ndim != 2 or len(inner) < 2:
+        return None
+    if inner[0] in ("attention", "feed_forward"):
+        return inner[0]
+    return "feed_forward" if inner[:2] == ["moe", "shared"] else None
 
 
 def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
