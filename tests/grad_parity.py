@@ -39,9 +39,10 @@ def updates(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     def whole(p: torch.Tensor) -> torch.Tensor:  # a copy: a replicated DTensor's full_tensor() is its storage
         return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
-    before = {n: whole(p) for part in parts for n, p in part.named_parameters()}
+    # tied names too: a pipeline's last stage holds its own copy of a weight tied on one device
+    before = {n: whole(p) for part in parts for n, p in part.named_parameters(remove_duplicate=False)}
     build_optimizers(parts, Optimizer(name="Muon"), LRScheduler(warmup_steps=0), 10).step()
-    return {n: whole(p) - before[n] for part in parts for n, p in part.named_parameters()}
+    return {n: whole(p) - before[n] for part in parts for n, p in part.named_parameters(remove_duplicate=False)}
 
 
 def count_orthogonalised(fn):
