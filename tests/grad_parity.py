@@ -4,10 +4,11 @@ Run as N ranks (tests/harness.assert_grad_parity starts them; by hand: `python -
 torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL LAYOUT [+ LAYOUT ...]`), a
 LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N] [muon]` (nosp: tensor parallel without sequence
 parallel; ep=N: expert parallel; rep=N: N HSDP replicas; muon: also one Muon step, each parameter's
-update compared) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages; several layouts
-share one launch. Every rank builds the single-device model too and compares each full gradient;
-loss-curve parity alone can miss a small parameter whose gradient is never reduced across ranks
-(e.g. a replicated norm weight under tensor parallelism).
+update compared) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages, either with
+`layers=N` to build the flavor with N blocks (two stages per rank need more blocks than a debug
+flavor may have); several layouts share one launch. Every rank builds the single-device model too
+and compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient
+is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ muon_impl.newton_schulz = count_orthogonalised(muon_impl.newton_schulz)
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1, rep: int = 1, muon: bool = False) -> bool:
+         ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0) -> bool:
     dims = ParallelDims(rep, dp_shard, 1, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
     args = model_args(spec, flavor or "debugmodel", 0, 32)
+    if layers:
+        args = dataclasses.replace(args, n_layers=layers)
     tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
@@ -143,10 +146,13 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
 def run_layout(name: str, words: list[str]) -> bool:
     flags = [w for w in words if "=" in w or w in ("nosp", "muon")]
-    ep, rep = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), 1) for k in ("ep=", "rep="))
+    ep, rep, layers = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), default)
+                       for k, default in (("ep=", 1), ("rep=", 1), ("layers=", 0)))
     if words[0] == "pp":
-        return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep, muon="muon" in flags)
-    return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep, muon="muon" in flags)
+        return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep, muon="muon" in flags,
+                    layers=layers)
+    return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep, muon="muon" in flags,
+                layers=layers)
 
 
 if __name__ == "__main__":

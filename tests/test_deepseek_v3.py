@@ -1,5 +1,6 @@
 """DeepSeek-V3 family: parameter counts of the released configs, Hugging Face logits parity both
-ways (FP8 checkpoints included), the routing options, and bad input before launch."""
+ways (FP8 checkpoints included), the routing options, what per-block compile compiles, and bad
+input before launch."""
 
 import dataclasses
 import json
@@ -235,3 +236,17 @@ def test_mtp_loss_reaches_the_training_loss():
     assert model.mtp["0"].eh_proj.weight.grad.abs().sum() > 0
     assert model.mtp_embeddings.weight is model.tok_embeddings.weight
     assert json.dumps(hf.config_to_hf(args, torch.float32))  # serialisable
+
+
+def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypatch):
+    """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router
+    and the shared experts, everything but the experts' data-dependent dispatch. The compiled
+    training run is in test_deepseek_v3_parity.py."""
+    from titanlite.parallel.apply import apply_compile
+    compiled: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(self))
+    model = Transformer(dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
+    apply_compile(model.layers)
+    names = {name for name, m in model.named_modules() if any(m is c for c in compiled)}
+    assert names == {"layers.0", *(f"layers.{i}.{part}" for i in (1, 2) for part in ("attention", "moe.router",
+                                                                                      "moe.shared"))}

@@ -52,7 +52,7 @@ def test_every_gradient_matches_under_expert_parallel():
 
 
 def test_compiled_dense_parts_under_ep2_match_single_process():
-    # attention compiled per block, the MoE layers (data-dependent shapes) eager
+    # attention and the router compiled per block, the experts' dispatch (data-dependent shapes) eager
     ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
     run = train(2, [*MOE, *BALANCE, "--training.local_batch_size", "4", *EP2, "--compile.enable", "true",
                     "--compile.components", "model,loss"])
