@@ -33,8 +33,14 @@ def _preflight(args: list[str], world: int):
      "expert_parallel_degree 2 must divide .* = 8 and be a multiple of tensor_parallel_degree 4"),
     ([*MOE, "--moe.grouped_mm", "sometimes"], 1, "moe.grouped_mm: 'sometimes' is not one of auto, on, off"),
     ([*MOE, "--moe.bias_update_rate", "-1"], 1, "moe.bias_update_rate must be >= 0"),
+    ([*MOE, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+      "--parallelism.expert_parallel_degree", "2"], 4,
+     "ZBVZeroBubble splits each backward .* expert_parallel_degree 2 does not survive"),
+    (["--model.name", "deepseek_v3", "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble", "--training.local_batch_size", "8"], 2, "the multi-token prediction depth on the last stage does not survive"),
 ], ids=["experts_not_divisible_by_ep", "ep_not_dividing_dp_shard_x_cp", "dense_model_with_ep",
-        "moe_keys_on_dense_model", "tp_without_ep", "ep_not_multiple_of_tp", "grouped_mm_choice", "negative_bias_rate"])
+        "moe_keys_on_dense_model", "tp_without_ep", "ep_not_multiple_of_tp", "grouped_mm_choice", "negative_bias_rate",
+        "split_backward_schedule_with_ep", "split_backward_schedule_with_mtp"])
 def test_refused_before_launch(args, world, match):
     with pytest.raises(ConfigError, match=match) as err:
         _preflight(args, world)

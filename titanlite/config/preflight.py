@@ -22,7 +22,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import StagePlan, check_schedule_name, plan_stages, tied_names
+from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, check_schedule_name, plan_stages, tied_names
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
 
@@ -92,6 +92,19 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
 
 def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:
     """The stage plan, or the one-line reason the pipeline layout cannot run this model."""
+    name = cfg.parallelism.pipeline_parallel_schedule
+    if name in SPLIT_BACKWARD:
+        # both found wrong by per-parameter gradient checks: under expert parallel some expert
+        # weights get no gradient in the weight-gradient pass; an MTP depth's pass fails outright
+        key = "parallelism.pipeline_parallel_schedule"
+        if dims.ep > 1:
+            raise ConfigError(f"{key} {name} splits each backward into input- and weight-gradient passes, which "
+                              f"expert_parallel_degree {dims.ep} does not survive (expert weights lose their "
+                              "gradients); use 1F1B or Interleaved1F1B, or expert_parallel_degree 1")
+        if len(getattr(model, "mtp", ())):
+            raise ConfigError(f"{key} {name} splits each backward into input- and weight-gradient passes, which "
+                              "the multi-token prediction depth on the last stage does not survive; use 1F1B or "
+                              "Interleaved1F1B")
     stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
     return dataclasses.replace(stages, tied=tied_names(model))
 
