@@ -106,6 +106,7 @@ def test_every_gradient_matches_under_tp_hsdp_and_interleaved_pp():
     # parity above (7e-5 after 10 steps); per parameter it is off by 2%. HSDP: experts split
     # over dp_shard, replicated over two replicas. Interleaved1F1B: four stages need four blocks
     # (the debug flavor has three), the MTP depth on the last, on the other rank than the
-    # embedding it shares.
-    layouts = "2 2 ep=2 + 2 2 nosp ep=2 + 2 1 ep=2 rep=2 + pp 2 2 1 Interleaved1F1B ep=2 layers=4"
+    # embedding it shares. Muon on the first and last: the shared experts and the MTP depth's
+    # block are block matrices, orthogonalised whole once each.
+    layouts = "2 2 ep=2 muon + 2 2 nosp ep=2 + 2 1 ep=2 rep=2 + pp 2 2 1 Interleaved1F1B ep=2 layers=4 muon"
     assert_grad_parity("deepseek_v3", 4, layouts.split())
