@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
-from titanlite.layers.moe import moe_layers
+from titanlite.layers.moe import grouped_swiglu, moe_layers
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes
@@ -107,17 +107,28 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
 def apply_compile(blocks: nn.ModuleDict) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
-    hooks stay outside the compiled region). In a block with MoE layers, whose routing has
-    data-dependent shapes, the family's own children without one are compiled instead
-    (attention, a dense feed-forward); torch's modules (the norms) have no frame of their own
-    for Dynamo to compile alone."""
+    hooks stay outside the compiled region). A block with MoE layers is not compiled whole:
+    ordering tokens by expert is eager, and under expert parallelism it reads the split sizes
+    on the host. Its parts with no host read are compiled instead: the family's own non-MoE
+    children (attention, a dense feed-forward), each MoE layer's router and shared expert, and
+    its experts' grouped GEMMs with the SwiGLU between them, one compiled function for every
+    layer, whose row count is dynamic (it follows the routing). torch's modules (the norms)
+    have no frame of their own for Dynamo to compile alone."""
+    experts = None
     for block in blocks.values():
-        if not moe_layers([block]):
+        moes = moe_layers([block])
+        if not moes:
             block.compile(fullgraph=True)
             continue
         for child in block.children():
             if not moe_layers([child]) and not type(child).__module__.startswith("torch."):
                 child.compile(fullgraph=True)
+        for moe in moes:
+            for part in (moe.router, moe.shared):
+                if part is not None:
+                    part.compile(fullgraph=True)
+            experts = experts or torch.compile(grouped_swiglu, fullgraph=True, dynamic=True)
+            moe.experts.grouped = experts
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, meshes: Meshes, opts: ParallelizeOptions) -> None:
