@@ -37,7 +37,8 @@ def _short_documents(folder: Path) -> str:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[str]:
-    return [*GPT_OSS, "--data.path", _short_documents(tmp_path_factory.mktemp("corpus")), "--data.document_mask", "true"]
+    corpus = _short_documents(tmp_path_factory.mktemp("corpus"))
+    return [*GPT_OSS, "--data.path", corpus, "--data.document_mask", "true"]
 
 
 @pytest.fixture(scope="module")
