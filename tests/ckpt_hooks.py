@@ -1,14 +1,18 @@
-"""The real trainer with one checkpoint test hook, picked by TITANLITE_TEST_HOOK.
+"""The real trainer with one test hook, picked by TITANLITE_TEST_HOOK.
 
 resave          right after loading, write what was loaded to <dump>/checkpoint-resaved/step-N
                 and train on, so a test can compare it tensor by tensor with the source.
 kill_at_step=N  SIGKILL this process in the middle of saving step N: every data file is
                 written, the metadata and the commit are not.
+log_compiles    log each function Dynamo starts tracing (TORCH_LOGS=dynamo would not reach a
+                rank: it is read when torch is imported, which the harness's fork server did).
 """
 
+import logging
 import os
 import signal
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from titanlite import train
@@ -38,6 +42,8 @@ elif HOOK.startswith("kill_at_step="):
         return _finish(self, *args, **kwargs)
 
     FileSystemWriter.finish = _finish_or_die
+elif HOOK == "log_compiles":
+    torch._logging.set_logs(dynamo=logging.INFO)
 elif HOOK:
     raise SystemExit(f"unknown TITANLITE_TEST_HOOK '{HOOK}'")
 

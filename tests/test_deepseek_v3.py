@@ -239,9 +239,9 @@ def test_mtp_loss_reaches_the_training_loss():
 
 
 def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypatch):
-    """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router
-    and the shared experts, everything but the experts' data-dependent dispatch. The compiled
-    training run is in test_deepseek_v3_parity.py."""
+    """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router,
+    the shared experts and the experts' grouped GEMMs; only their data-dependent dispatch stays
+    eager. The compiled training run is in test_deepseek_v3_parity.py."""
     from titanlite.parallel.apply import apply_compile
     compiled: list[torch.nn.Module] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(self))
@@ -250,3 +250,7 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     names = {name for name, m in model.named_modules() if any(m is c for c in compiled)}
     assert names == {"layers.0", *(f"layers.{i}.{part}" for i in (1, 2) for part in ("attention", "moe.router",
                                                                                       "moe.shared"))}
+    # the experts' grouped GEMMs and SwiGLU: one compiled function shared by every MoE layer
+    from titanlite.layers.moe import grouped_swiglu
+    grouped = {model.layers[i].moe.experts.grouped for i in ("1", "2")}
+    assert len(grouped) == 1 and grouped_swiglu not in grouped

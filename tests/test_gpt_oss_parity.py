@@ -1,17 +1,22 @@
-"""gpt-oss under every parallel dimension reproduces one process.
+"""gpt-oss under every parallel dimension reproduces one process, and its checkpoints resume and reshard.
 
 One training launch runs context parallel (packed short documents, so 16-key windows straddle
 the cp chunks and documents cross them), tensor parallel (sinks and q/k/v biases sharded with
 their heads) and expert parallel together, with FSDP over the cp ranks, per-op activation
-checkpointing and balancing on, against
-one process, which checkpoints and is resumed bitwise (the same checkpoint code under expert
-parallel and resharding is tests/test_moe_checkpoint.py's). One gradient launch compares every
-parameter's gradient under FSDP x TP x EP, HSDP x EP and PP x FSDP x EP."""
+checkpointing and balancing on, against one process. It saves at step 5, from where a second
+launch on the same layout resumes bit for bit, and one process loads it: the same tensors,
+optimizer state and router biases, and the same losses to the parity tolerance. One launch
+compiles the blocks (attention with windows, sinks and biases; the router; the experts' grouped
+GEMMs with their biases and the clamped SwiGLU) under full activation checkpointing, at
+fsdp 2 x ep 2, against the same one process. One gradient launch compares every parameter's
+gradient under FSDP x TP x EP, HSDP x EP and PP x FSDP x EP."""
 
 import json
 import shutil
+from pathlib import Path
 
-from harness import TINY, assert_grad_parity, assert_parity, train
+import pytest
+from harness import TINY, Run, assert_grad_parity, assert_parity, train
 
 from titanlite.checkpoint.dcp import load_tensors
 
@@ -19,11 +24,10 @@ GPT_OSS = [*TINY, "--model.name", "gpt_oss", "--training.global_batch_size", "8"
            "--moe.aux_loss_coeff", "0.01", "--moe.bias_update_rate", "0.001", "--lr_scheduler.decay_ratio", "0"]
 CP2_TP2_EP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
                "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
-               "--activation_checkpoint.selective_type", "op"]
-CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+               "--activation_checkpoint.selective_type", "op", "--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
-def _short_documents(folder) -> str:
+def _short_documents(folder: Path) -> str:
     """Documents of 4 to 50 tokens-ish words, so every 64-token sample packs several."""
     docs = [f"doc {i}: " + " ".join(str(i * j % 997) for j in range(i % 23 + 2)) for i in range(400)]
     path = folder / "short.jsonl"
@@ -31,25 +35,85 @@ def _short_documents(folder) -> str:
     return str(path)
 
 
-def test_cp_tp_ep_match_one_process_and_resume_bitwise(tmp_path_factory):
-    data = ["--data.path", _short_documents(tmp_path_factory.mktemp("corpus")), "--data.document_mask", "true"]
-    straight = tmp_path_factory.mktemp("straight")
-    ref = train(1, [*GPT_OSS, *data, *CKPT], dump=straight)
-    run = train(4, [*GPT_OSS, *data, *CP2_TP2_EP2])
-    assert "gpt_oss debugmodel" in run.output
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> list[str]:
+    corpus = _short_documents(tmp_path_factory.mktemp("corpus"))
+    return [*GPT_OSS, "--data.path", corpus, "--data.document_mask", "true"]
+
+
+@pytest.fixture(scope="module")
+def one_process(job) -> Run:
+    return train(1, job)
+
+
+@pytest.fixture(scope="module")
+def cp_tp_ep(job, tmp_path_factory) -> Run:
+    return train(4, [*job, *CP2_TP2_EP2], dump=tmp_path_factory.mktemp("cp_tp_ep"))
+
+
+def _assert_curves_match(ref: Run, run: Run) -> None:
     assert_parity(ref.losses, run.losses)
     for key in ("grad_norm", "moe_aux_loss", "moe_router_bias_norm"):
         assert_parity([r[key] for r in ref.metrics], [r[key] for r in run.metrics], 1e-5, 1e-3)
-    # resume from step 5: the same losses and weights, bit for bit
-    resumed = tmp_path_factory.mktemp("resumed")
-    shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
-    again = train(1, [*GPT_OSS, *data, *CKPT], dump=resumed)
+
+
+def _tensors(step: Path) -> dict:
+    """A checkpoint's tensors, which must hold the optimizer state, the sinks, the expert biases
+    and the router's selection biases (moved by balancing, so non-zero)."""
+    got = load_tensors(step, "")
+    assert "model.layers.0.attention.sinks" in got and "model.layers.0.moe.experts.b2" in got
+    assert any(k.startswith("optimizer.state.") for k in got)
+    assert got["model.layers.0.moe.router.expert_bias"].abs().sum() > 0
+    return got
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    x, y = _tensors(a), _tensors(b)
+    assert x.keys() == y.keys(), sorted(set(x) ^ set(y))
+    assert [k for k in x if not x[k].equal(y[k])] == []
+
+
+def test_cp_tp_ep_match_one_process(one_process, cp_tp_ep):
+    assert "gpt_oss debugmodel" in cp_tp_ep.output
+    _assert_curves_match(one_process, cp_tp_ep)
+
+
+def test_cp_tp_ep_resume_is_bitwise(job, cp_tp_ep, tmp_path):
+    straight = cp_tp_ep.dump / "checkpoint"
+    shutil.copytree(straight / "step-5", tmp_path / "checkpoint" / "step-5")
+    again = train(4, [*job, *CP2_TP2_EP2], dump=tmp_path)
     assert "resumed from" in again.output and [r["step"] for r in again.metrics] == list(range(6, 11))
-    assert again.losses == ref.losses[5:]
-    a, b = load_tensors(straight / "checkpoint" / "step-10"), load_tensors(resumed / "checkpoint" / "step-10")
-    assert a.keys() == b.keys() and "layers.0.attention.sinks" in a and "layers.0.moe.experts.b2" in a
-    assert a["layers.0.moe.router.expert_bias"].abs().sum() > 0
-    assert [k for k in a if not a[k].equal(b[k])] == []
+    assert again.losses == cp_tp_ep.losses[5:]
+    _assert_same_tensors(straight / "step-10", tmp_path / "checkpoint" / "step-10")
+
+
+def test_cp_tp_ep_checkpoint_loads_on_one_process(job, cp_tp_ep, tmp_path):
+    """Saved sharded over cp 2 x tp 2 x ep 2 with FSDP, loaded whole: what was loaded, saved
+    again, is the saved state tensor for tensor, and steps 6-10 follow the uninterrupted run."""
+    saved = cp_tp_ep.dump / "checkpoint" / "step-5"
+    shutil.copytree(saved, tmp_path / "checkpoint" / "step-5")
+    run = train(1, [*job, "--checkpoint.enable"], dump=tmp_path, env={"TITANLITE_TEST_HOOK": "resave"},
+                module="tests.ckpt_hooks")
+    _assert_same_tensors(saved, tmp_path / "checkpoint-resaved" / "step-5")
+    assert [r["step"] for r in run.metrics] == list(range(6, 11))
+    # assert_parity wants 10 steps; these are the 5 after the load
+    for a, b in zip(cp_tp_ep.losses[5:], run.losses, strict=True):
+        assert abs(a - b) / abs(a) <= 1e-4, (cp_tp_ep.losses[5:], run.losses)
+
+
+def test_compiled_blocks_under_full_ac_match_one_process(job, one_process):
+    # compiling on two loaded cores can outlast the default deadlines; Dynamo's log says what it traced
+    slow = ["--comm.init_timeout_s", "1200", "--comm.train_timeout_s", "1200"]
+    run = train(2, [*job, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+                    "--compile.enable", "true", "--activation_checkpoint.mode", "full", *slow],
+                env={"TITANLITE_TEST_HOOK": "log_compiles"}, module="tests.ckpt_hooks")
+    _assert_curves_match(one_process, run)
+    traced = [line.rsplit(" ", 2)[-2:] for line in run.output.splitlines() if "torchdynamo start tracing" in line]
+    for name, where in (("forward", "titanlite/layers/attention.py"), ("forward", "titanlite/layers/moe.py"),
+                        ("grouped_swiglu", "titanlite/layers/moe.py")):
+        assert any(n == name and where in w for n, w in traced), (name, where, traced)
+    assert "recompile_limit" not in run.output  # no compiled part fell back to eager
+
 
 def test_every_gradient_matches_under_fsdp_tp_ep_hsdp_and_pp():
     # one launch, three layouts on 4 ranks: fsdp2 x tp2 x ep2 (sequence parallel, sinks and biases

@@ -51,8 +51,9 @@ def test_every_gradient_matches_under_expert_parallel():
                                         "+", "pp", "2", "2", "1", "1F1B", "ep=2"])
 
 
-def test_compiled_dense_parts_under_ep2_match_single_process():
-    # attention and the router compiled per block, the experts' dispatch (data-dependent shapes) eager
+def test_compiled_blocks_under_ep2_match_single_process():
+    # attention compiled per block; in the MoE layers the router and the experts' grouped GEMMs,
+    # their rows dynamic under ep (ordering tokens by expert and the all-to-all stay eager)
     ref = reference([*MOE, *BALANCE, "--training.local_batch_size", "8"])
     run = train(2, [*MOE, *BALANCE, "--training.local_batch_size", "4", *EP2, "--compile.enable", "true",
                     "--compile.components", "model,loss"])

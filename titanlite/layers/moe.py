@@ -121,6 +121,32 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
+    """silu(gate) * up; with a `limit`, gpt-oss's clamped form (MoEArgs.swiglu_limit)."""
+    if not limit:
+        return F.silu(gate) * up
+    # gpt-oss was trained with this form: the clamps keep a large pre-activation from growing the output
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   b1: torch.Tensor | None, b2: torch.Tensor | None, b3: torch.Tensor | None, limit: float,
+                   alpha: float) -> torch.Tensor:
+    """Every expert's SwiGLU MLP on x's rows grouped by expert (counts[e] rows for expert e), as
+    three grouped GEMMs. Plain tensors in and out and nothing read on the host, so torch.compile
+    takes it whole, its row count dynamic (it follows the routing under expert parallelism)."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    if b1 is not None:  # each row's expert, without reading counts on the host
+        rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0])
+        gate, up = gate + b1[rows], up + b3[rows]
+    out = F.grouped_mm(swiglu(gate, up, limit, alpha), w2.transpose(-2, -1), offs=offs)
+    return out if b2 is None else out + b2[rows]
+
+
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU MLPs as three stacked weights, in nn.Linear's (out, in) orientation,
     with `biases` b1, b2, b3 beside them and the SwiGLU clamped at `swiglu_limit` (MoEArgs)."""
@@ -139,6 +165,8 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
         self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
         """How counts reach the host; the dry run swaps in a balanced load."""
+        self.grouped: Callable[..., torch.Tensor] = grouped_swiglu
+        """The grouped-GEMM path; per-block compile swaps in its compiled form (titanlite.parallel.apply)."""
 
     def _pick(self, x: torch.Tensor) -> bool:
         reason = "forced off by moe grouped_mm = off" if self.mode == "off" else grouped_mm_supported(
@@ -150,14 +178,6 @@ class GroupedExperts(nn.Module):
             _LOGGED.add(path)
             log.info(f"MoE experts run as {path}")
         return reason is None
-
-    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not self.swiglu_limit:
-            return F.silu(gate) * up
-        # gpt-oss was trained with this form: the clamps keep a large pre-activation from growing the output
-        gate = gate.clamp(max=self.swiglu_limit)
-        up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """x: [N, dim], rows grouped by expert (counts[e] rows for the rank's local expert e, in order).
@@ -172,19 +192,12 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
             b1, b2, b3 = (None if b is None else b.to(dtype) for b in (b1, b2, b3))
+        limit, alpha = self.swiglu_limit, self.swiglu_alpha
         if self.use_grouped_mm:
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-            up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            if b1 is not None:  # each row's expert, without reading counts on the host
-                rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
-                                               output_size=x.shape[0])
-                gate, up = gate + b1[rows], up + b3[rows]
-            out = F.grouped_mm(self._glu(gate, up), w2.transpose(-2, -1), offs=offs)
-            return out if b2 is None else out + b2[rows]
+            return self.grouped(x, counts, w1, w2, w3, b1, b2, b3, limit, alpha)
         sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
-        outs = [F.linear(self._glu(F.linear(xe, w1[e], _at(b1, e)), F.linear(xe, w3[e], _at(b3, e))), w2[e],
-                         _at(b2, e)) for e, xe in enumerate(torch.split(x, sizes))]
+        outs = [F.linear(swiglu(F.linear(xe, w1[e], _at(b1, e)), F.linear(xe, w3[e], _at(b3, e)), limit, alpha),
+                         w2[e], _at(b2, e)) for e, xe in enumerate(torch.split(x, sizes))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
-from titanlite.layers.moe import GroupedExperts, moe_layers
+from titanlite.layers.moe import grouped_swiglu, moe_layers
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes
@@ -104,30 +104,31 @@ def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
             _checkpoint(block)
 
 
-def _compile_around_experts(module: nn.Module) -> None:
-    """Compile each child of `module` that holds no routed experts, and go into those that do: only the
-    MoE layer's own forward (grouping tokens by expert) and the experts, whose splits depend on the
-    token counts (read on the host), stay eager. In a MoE block that compiles the attention and,
-    inside the MoE layer, the router and the shared experts. torch's modules (the norms) have no
-    frame of their own for Dynamo to compile alone."""
-    for child in module.children():
-        if not any(isinstance(m, GroupedExperts) for m in child.modules()):
-            if not type(child).__module__.startswith("torch."):
-                child.compile(fullgraph=True)
-        elif not isinstance(child, GroupedExperts):
-            _compile_around_experts(child)
-
-
 def apply_compile(blocks: nn.ModuleDict) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
-    hooks stay outside the compiled region). A block with MoE layers, whose expert dispatch has
-    data-dependent shapes, is compiled around its experts."""
+    hooks stay outside the compiled region). A block with MoE layers is not compiled whole:
+    ordering tokens by expert is eager, and under expert parallelism it reads the split sizes
+    on the host. Its parts with no host read are compiled instead: the family's own non-MoE
+    children (attention, a dense feed-forward), each MoE layer's router and shared expert, and
+    its experts' grouped GEMMs with the SwiGLU between them, one compiled function for every
+    layer, whose row count is dynamic (it follows the routing). torch's modules (the norms)
+    have no frame of their own for Dynamo to compile alone."""
+    experts = None
     for block in blocks.values():
-        if moe_layers([block]):
-            _compile_around_experts(block)
-        else:
+        moes = moe_layers([block])
+        if not moes:
             block.compile(fullgraph=True)
+            continue
+        for child in block.children():
+            if not moe_layers([child]) and not type(child).__module__.startswith("torch."):
+                child.compile(fullgraph=True)
+        for moe in moes:
+            for part in (moe.router, moe.shared):
+                if part is not None:
+                    part.compile(fullgraph=True)
+            experts = experts or torch.compile(grouped_swiglu, fullgraph=True, dynamic=True)
+            moe.experts.grouped = experts
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, meshes: Meshes, opts: ParallelizeOptions) -> None:
