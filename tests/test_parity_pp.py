@@ -42,12 +42,11 @@ def test_pp2_schedule_alone(schedule):
 
 def test_pp2_compiled_blocks_with_split_backward():
     # per-block compile; a zero-bubble schedule runs each compiled backward in two parts (input,
-    # then weight gradients), which compile's donated buffers would forbid. Compile changes the
-    # rounding: the tolerance of the other compile tests (test_speed.py)
+    # then weight gradients), which compile's donated buffers would forbid
     ref = reference([*BASE, "--training.local_batch_size", "8"])
     run = train(2, [*BASE, *pp(2, COMPILED_SCHEDULE, 2, 8), "--compile.enable", "true",
                     "--compile.components", "model,loss"])
-    assert_parity(ref.losses, run.losses, first_rtol=1e-4, rtol=1e-4)
+    assert_parity(ref.losses, run.losses)
 
 
 def test_every_schedule_runs_at_pp2_in_this_file():
