@@ -4,8 +4,8 @@ four-rank launches: FSDP x TP (sequence and loss parallel, MLA's latent projecti
 each rank) with the experts split over the tp pair under per-op AC, and PP x CP (the MTP depth on the last
 stage) with the experts split over the cp pair. The second saves checkpoints, from which a
 resumed run continues bit for bit on its own layout, and to parity on others that change the
-pp and ep degrees: HSDP (experts split over dp_shard) and one compiled process (MLA, the
-router and the shared experts compiled). Per-parameter gradients under TP, HSDP and an
+pp and ep degrees: FSDP 2 (experts split over dp_shard) and one compiled process (MLA, the
+router, the shared and the routed experts compiled). Per-parameter gradients under TP, HSDP and an
 interleaved pipeline schedule (MTP on the last stage): tests/grad_parity.py."""
 
 import shutil
@@ -31,10 +31,9 @@ PP_CP = ["--training.local_batch_size", "8", "--parallelism.context_parallel_deg
          "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
          "--parallelism.pipeline_parallel_microbatch_size", "2", *EP2, *CHECKPOINT]
 # layouts the PP_CP run's step-5 checkpoint resumes on, with other pp and ep degrees
-# (nproc, args): HSDP, the experts split over dp_shard and replicated over the replicas;
+# (nproc, args): no pipeline, FSDP 2 with the experts split over dp_shard instead of cp;
 # one process, every expert whole, compiled
-RESHARDED = {"hsdp_ep_over_dp": (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree",
-                                     "2", "--parallelism.data_parallel_shard_degree", "2", *EP2]),
+RESHARDED = {"dp_ep_over_dp": (2, ["--training.local_batch_size", "4", *EP2]),
              "one_process_compiled": (1, ["--training.local_batch_size", "8", "--compile.enable", "true"])}
 LOGGED = ("grad_norm", "mtp_loss", "moe_router_bias_norm")
 

@@ -8,7 +8,7 @@ launch on the same layout resumes bit for bit, and one process loads it: the sam
 optimizer state and router biases, and the same losses to the parity tolerance. One launch
 compiles the blocks (attention with windows, sinks and biases; the router; the experts' grouped
 GEMMs with their biases and the clamped SwiGLU) under full activation checkpointing, at
-fsdp 2 x ep 2, against the same one process. One gradient launch compares every parameter's
+cp 2 x ep 2 on the same documents, against the same one process. One gradient launch compares every parameter's
 gradient under FSDP x TP x EP, HSDP x EP and PP x FSDP x EP."""
 
 import json
@@ -102,9 +102,11 @@ def test_cp_tp_ep_checkpoint_loads_on_one_process(job, cp_tp_ep, tmp_path):
 
 
 def test_compiled_blocks_under_full_ac_match_one_process(job, one_process):
-    # compiling on two loaded cores can outlast the default deadlines; Dynamo's log says what it traced
+    # cp2 x ep2 (the experts split over the cp pair), packed documents straddling the chunks: windows,
+    # sinks and the clamped experts compiled under full AC. Compiling on two loaded cores can outlast
+    # the default deadlines; Dynamo's log says what it traced
     slow = ["--comm.init_timeout_s", "1200", "--comm.train_timeout_s", "1200"]
-    run = train(2, [*job, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+    run = train(2, [*job, "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                     "--compile.enable", "true", "--activation_checkpoint.mode", "full", *slow],
                 env={"TITANLITE_TEST_HOOK": "log_compiles"}, module="tests.ckpt_hooks")
     _assert_curves_match(one_process, run)

@@ -5,7 +5,8 @@ from harness import TINY, assert_grad_parity, assert_parity, reference, train
 
 QWEN3 = [*TINY, "--model.name", "qwen3", "--training.global_batch_size", "4"]
 # Every dimension at once, with tied embeddings (FSDP and CP alone are Llama 3's tests: the
-# family differs from it in its blocks); its TP plan alone is in the gradient and compile tests
+# family differs from it in its blocks); its TP plan alone is in the gradient test below and, compiled,
+# in tests/test_speed.py
 LAYOUTS = {
     "fsdp2_cp2_tp2": (8, ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
                           "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
@@ -28,11 +29,3 @@ def test_every_gradient_matches_under_tp(nproc, args):
     # with the QK-norm gradients left unreduced across tensor-parallel ranks the loss
     # parity above still passed; per parameter it fails
     assert_grad_parity("qwen3", nproc, args)
-
-
-def test_compiled_tp2_matches_single_process():
-    # QK-norm and the explicit head_dim inside compiled blocks that take TP shards
-    ref = reference([*QWEN3, "--training.local_batch_size", "4"])
-    run = train(2, [*QWEN3, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                    "--compile.enable", "true", "--compile.components", "model,loss"])
-    assert_parity(ref.losses, run.losses)
