@@ -5,7 +5,9 @@ or file, a non-zero exit within 30 s, and no process left behind. Cases run in a
 pool (each is a separate launcher in its own session) to keep the suite short; the eight
 cases in test_train.py are not repeated here. Out-of-range values and unknown choices, which
 the config loader refuses as it does the launched typos and wrong types, are checked in
-process (IN_PROCESS).
+process (IN_PROCESS), and so are the cases the launcher's second check refuses (the trainer's
+preflight in `python -m titanlite.dryrun --check-memory`: PREFLIGHT), through that module's
+main with the arguments run_train.sh gives it; test_train.py launches that path for real.
 """
 
 from __future__ import annotations
@@ -202,11 +204,20 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
               "checkpoint_folder_escapes")
 
+# Refused by the trainer's preflight, the launcher's second process (each a torch import,
+# about 6 CPU seconds): run through that process's main in this one.
+PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_world", "global_batch_indivisible",
+             "seq_len_past_rope", "vocab_below_tokenizer", "no_cuda", "tokenizer_corrupt", "dump_folder_is_file",
+             "dump_folder_under_file", "pp_above_blocks", "pp_schedule_unknown", "pp_microbatch_indivisible",
+             "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
+             "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
+             "val_steps_above_split")
+
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_input")
-    cases = {k: v for k, v in _cases(_files(tmp)).items() if k not in IN_PROCESS}
+    cases = {k: v for k, v in _cases(_files(tmp)).items() if k in CASE_IDS}
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(_run, args, env, str(tmp / f"dump-{name}"))
                    for name, (args, env, _) in cases.items()}
@@ -218,11 +229,12 @@ NAMED = _cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type
                                "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok", "empty.txt",
                                "blank.jsonl", "eps_inf.toml", "empty_dir"]})
 ALL_IDS = list(NAMED)
-CASE_IDS = [k for k in ALL_IDS if k not in IN_PROCESS]
+CASE_IDS = [k for k in ALL_IDS if k not in IN_PROCESS + PREFLIGHT]
 
 
 def test_at_least_thirty_cases():
-    assert len(CASE_IDS) >= 30 and set(IN_PROCESS) < set(ALL_IDS)
+    assert len(ALL_IDS) >= 60 and set(IN_PROCESS) | set(PREFLIGHT) < set(ALL_IDS)
+    assert len(CASE_IDS) >= 15 and not set(IN_PROCESS) & set(PREFLIGHT)
 
 
 @pytest.mark.parametrize("case", IN_PROCESS)
@@ -247,3 +259,20 @@ def test_bad_input_gives_one_line_and_fails_fast(outcomes, case):
     assert expect in lines[0], f"expected {expect!r} in {lines[0]!r}"
     assert out.elapsed < LIMIT_S
     assert not out.leftover, "processes were left running"
+
+
+@pytest.mark.parametrize("case", PREFLIGHT)
+def test_bad_input_is_refused_in_one_line_by_the_preflight(case, tmp_path, capsys):
+    from titanlite.config.load import load
+    from titanlite.dryrun.run import main
+
+    args, env, expect = _cases(_files(tmp_path))[case]
+    ngpu = env.get("NGPU", "1")
+    assert set(env) <= {"NGPU"}
+    load(args)  # the launcher's first check passes it on
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as code:
+        main(["--check-memory", ngpu, "--ngpu", ngpu, "--job.dump_folder", str(tmp_path / "dump"), *args])
+    assert code.value.code == 2 and time.monotonic() - start < LIMIT_S
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error: ") and expect in lines[0], lines
