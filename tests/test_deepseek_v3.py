@@ -242,14 +242,15 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router,
     the shared experts and the experts' grouped GEMMs; only their data-dependent dispatch stays
     eager. The compiled training run is in test_deepseek_v3_parity.py."""
-    from titanlite.parallel.apply import apply_compile
+    from titanlite.parallel.apply import all_blocks, apply_compile
     compiled: list[torch.nn.Module] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(self))
     model = Transformer(dataclasses.replace(flavors["debugmodel"], max_seq_len=64))
-    apply_compile(model.layers)
+    apply_compile(all_blocks(model, SPEC))
     names = {name for name, m in model.named_modules() if any(m is c for c in compiled)}
-    assert names == {"layers.0", *(f"layers.{i}.{part}" for i in (1, 2) for part in ("attention", "moe.router",
-                                                                                      "moe.shared"))}
+    # the MTP depth's block too
+    assert names == {"layers.0", *(f"{block}.{part}" for block in ("layers.1", "layers.2", "mtp.0.block")
+                                   for part in ("attention", "moe.router", "moe.shared"))}
     # the experts' grouped GEMMs and SwiGLU: one compiled function shared by every MoE layer
     from titanlite.layers.moe import grouped_swiglu
     grouped = {model.layers[i].moe.experts.grouped for i in ("1", "2")}

@@ -177,6 +177,22 @@ def test_float8_keeps_router_gates_in_high_precision():
     assert others and all(isinstance(m, Float8Linear) for m in others)
 
 
+def test_float8_converts_the_mtp_depths_block_as_the_others():
+    pytest.importorskip("torchao", reason="installed with the test extras")
+    from titanlite.parallel.apply import all_blocks
+
+    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+                              float8=Float8(enable=True))
+    model = _meta_parallelized("deepseek_v3", opts)
+
+    def kinds(block: nn.Module) -> dict[str, str]:
+        return {n: type(m).__name__ for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+
+    assert all_blocks(model, get_model_spec("deepseek_v3"))[-1] is model.mtp["0"].block
+    assert kinds(model.mtp["0"].block) == kinds(model.layers["2"])
+    assert "Float8Linear" in kinds(model.mtp["0"].block).values()
+
+
 def test_deterministic_mode_sets_up_cuda_for_determinism(monkeypatch):
     # by construction only (it sets flags, no GPU needed): the suite has no GPU to run a CUDA
     # job twice and compare bits

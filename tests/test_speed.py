@@ -45,7 +45,7 @@ def _forward_retained_bytes(mode: str, selective_type: str = "layer") -> int:
     args = flavors["debugmodel"]
     model = SPEC.build(args)
     model.init_weights(0)
-    apply_ac(model.layers, ActivationCheckpoint(mode=mode, selective_every=2, selective_type=selective_type))
+    apply_ac(list(model.layers.values()), ActivationCheckpoint(mode=mode, selective_every=2, selective_type=selective_type))
     tokens = torch.randint(0, args.vocab_size, (4, 64))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         logits = model(tokens)

@@ -45,6 +45,13 @@ class MTPModule(nn.Module):
         return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), cos, sin, ctx)
 
 
+def mtp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model's (or last pipeline stage's) prediction depths, in order (an earlier
+    stage holds an nn.Identity in their place)."""
+    depths = getattr(model, "mtp", None)
+    return [depth.block for depth in depths.values()] if isinstance(depths, nn.ModuleDict) else []
+
+
 def shifted(tokens: torch.Tensor, ctx: AttnContext | None, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids to embed, targets) for `depth`: tokens i + depth and i + depth + 1 of each of this
     rank's positions i; 0 and IGNORE_INDEX past the end of the sequence."""

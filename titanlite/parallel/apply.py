@@ -19,6 +19,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.model_spec import ModelSpec
 from titanlite.layers.moe import grouped_swiglu, moe_layers
+from titanlite.layers.mtp import mtp_blocks
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes
@@ -90,21 +91,21 @@ def _checkpoint(block: nn.Module, context_fn: Callable[[], tuple] = noop_context
     block.forward = checkpointed
 
 
-def apply_ac(blocks: nn.ModuleDict, cfg: ActivationCheckpoint) -> None:
+def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
     if cfg.mode == "none":
         return
     if cfg.mode == "selective" and cfg.selective_type == "op":
         torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
-    for i, block in enumerate(blocks.values()):
+    for i, block in enumerate(blocks):
         if cfg.mode == "selective" and cfg.selective_type == "op":
             _checkpoint(block, _selective_contexts)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
             _checkpoint(block)
 
 
-def apply_compile(blocks: nn.ModuleDict) -> None:
+def apply_compile(blocks: list[nn.Module]) -> None:
     """Compile each block in place, so parameter names (and checkpoints) are unchanged.
     Runs after AC (the checkpoint region is traced into the graph) and before FSDP (whose
     hooks stay outside the compiled region). A block with MoE layers is not compiled whole:
@@ -115,7 +116,7 @@ def apply_compile(blocks: nn.ModuleDict) -> None:
     layer, whose row count is dynamic (it follows the routing). torch's modules (the norms)
     have no frame of their own for Dynamo to compile alone."""
     experts = None
-    for block in blocks.values():
+    for block in blocks:
         moes = moe_layers([block])
         if not moes:
             block.compile(fullgraph=True)
@@ -131,21 +132,20 @@ def apply_compile(blocks: nn.ModuleDict) -> None:
             moe.experts.grouped = experts
 
 
-def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, meshes: Meshes, opts: ParallelizeOptions) -> None:
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions) -> None:
     """fully_shard each block bottom-up, then the root (embeddings, final norm, output).
     Expert-parallel experts are sharded first, on their own mesh, so the blocks leave them be."""
     mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
     mesh = meshes.fsdp
     if meshes.dims.ep > 1:
         shard_experts(model, meshes.expert_fsdp, mp, opts.reshard_after_forward != "never")
-    names = list(blocks.keys())
-    for i, name in enumerate(names):
+    for i, block in enumerate(blocks):
         if opts.reshard_after_forward == "default":
             # the last block is needed again at once by backward: keep it gathered
-            reshard = i < len(names) - 1
+            reshard = i < len(blocks) - 1
         else:
             reshard = opts.reshard_after_forward == "always"
-        fully_shard(blocks[name], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward == "always")
     # The loss is already divided by the global token count, so gradients must be
     # summed across ranks, not averaged. A plain SUM also runs on gloo (no PREMUL_SUM).
@@ -155,11 +155,19 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleDict, meshes: Meshes, opts: Pa
             module.set_force_sum_reduction_for_comms(True)
 
 
+def all_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """The blocks that float8, AC, compile and FSDP treat one by one, in the order they run: the
+    model's (or stage's), then its multi-token prediction depths' (which would otherwise sit in
+    the root: uncheckpointed, eager, gathered with the embeddings for the whole step)."""
+    return [*getattr(model, spec.blocks).values(), *mtp_blocks(model)]
+
+
 def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: ParallelizeOptions) -> None:
     """Apply every parallel dimension to `model` (a whole model or a pipeline stage), in place."""
     blocks = getattr(model, spec.blocks)
+    every_block = all_blocks(model, spec)
     if opts.float8.enable:
-        apply_float8(blocks, opts.float8, fsdp=meshes.dims.fsdp)
+        apply_float8(every_block, opts.float8, fsdp=meshes.dims.fsdp)
     if meshes.dims.tp > 1:
         plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
         # without FSDP autocast gives the mixed precision, and the residual stream is float32
@@ -169,8 +177,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         apply_ep(model, meshes.ep)
     if meshes.dims.dp * meshes.dims.cp * meshes.dims.tp > 1:
         set_stats_group(model, meshes.routed["dp_cp_tp"].get_group())
-    apply_ac(blocks, opts.activation_checkpoint)
+    apply_ac(every_block, opts.activation_checkpoint)
     if opts.compile.enable:
-        apply_compile(blocks)
+        apply_compile(every_block)
     if meshes.dims.fsdp:
-        apply_fsdp(model, blocks, meshes, opts)
+        apply_fsdp(model, every_block, meshes, opts)

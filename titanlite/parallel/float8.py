@@ -42,7 +42,7 @@ def _fits(module: nn.Module, fqn: str) -> bool:
             and not fqn.endswith("router.gate"))
 
 
-def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
+def apply_float8(blocks: list[nn.Module], cfg: Float8, fsdp: bool) -> None:
     """Swap each block's nn.Linear for torchao's Float8Linear, router gates apart; embeddings and
     output stay as they are."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -51,8 +51,8 @@ def apply_float8(blocks: nn.ModuleDict, cfg: Float8, fsdp: bool) -> None:
         f8 = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp and cfg.enable_fsdp_float8_all_gather)
     else:
         f8 = Float8LinearConfig.from_recipe_name(cfg.recipe)
-    for name in list(blocks.keys()):
-        blocks[name] = convert_to_float8_training(blocks[name], config=f8, module_filter_fn=_fits)
+    for block in blocks:  # swaps the block's linears in place
+        convert_to_float8_training(block, config=f8, module_filter_fn=_fits)
 
 
 def post_step_hooks(cfg: Float8, fsdp: bool, parts: list[nn.Module]) -> list[Callable[[torch.Tensor], None]]:
