@@ -34,21 +34,27 @@ def _adapter(spec: ModelSpec):
     return spec.hf
 
 
-def _rebuild(template: Any, values: dict[str, Any]) -> Any:
-    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args) and tuples
-    come back as dicts and lists."""
+def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
+    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args, YaRN) and
+    tuples come back as dicts and lists. `templates`: the family's flavors; a nested field takes
+    its type from the first that sets it (a flavor may leave it None, as DeepSeek-V3 16B's YaRN)."""
     fields = {}
-    for f in dataclasses.fields(template):
-        if f.name in values:
-            v, t = values[f.name], getattr(template, f.name)
-            fields[f.name] = _rebuild(t, v) if dataclasses.is_dataclass(t) else tuple(v) if isinstance(t, tuple) else v
-    return dataclasses.replace(template, **fields)
+    for f in dataclasses.fields(templates[0]):
+        if f.name not in values:
+            continue
+        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
+        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
+        if v is None or not (nested or isinstance(kinds[0], tuple)):
+            fields[f.name] = v
+        else:
+            fields[f.name] = _rebuild(nested, v) if nested else tuple(v)
+    return dataclasses.replace(templates[0], **fields)
 
 
 def _read_dcp(path: Path):
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    args = _rebuild(next(iter(spec.flavors.values())), info["args"])
+    args = _rebuild(list(spec.flavors.values()), info["args"])
     return spec, args, load_tensors(path, "model.")
 
 
