@@ -67,11 +67,7 @@ class Run:
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
-    # TORCHINDUCTOR_COMPILE_THREADS: each compiling rank would otherwise start a pool of
-    # compile workers (a Python and torch start each) on a machine whose two cores its ranks
-    # already fill; it changes where kernels are built, not what they compute
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
-                "TORCHINDUCTOR_COMPILE_THREADS": "1",
                 "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
     env.update(extra or {})
     return env
