@@ -137,7 +137,7 @@ class Optimizer:
     muon_lr: float = -1.0
     """Muon's peak learning rate; -1 takes optimizer.lr (Muon's update is scaled to AdamW's RMS,
     0.2 x sqrt(max(rows, cols)), so AdamW's learning rate carries over at scale; narrow models
-    need more, and their configs set it: docs/optimizers.md)."""
+    need more: debug_model.toml and llama3_100m.toml set it, docs/optimizers.md)."""
     muon_weight_decay: float = -1.0
     """Muon's decoupled weight decay; -1 takes optimizer.weight_decay."""
     muon_momentum: float = 0.95
