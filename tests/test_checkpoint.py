@@ -7,6 +7,7 @@ same job as "train 20". Every layout uses the same global batch of 8 samples.
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,14 @@ import torch
 from harness import TINY, assert_parity, launch, train
 
 from titanlite.config import load as config_load
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.dcp import check_saved_model, load_tensors, model_shapes, read_info, read_metadata
 from titanlite.checkpoint.state import DataState
 from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.config.preflight import preflight
+from titanlite.model_spec import get_model_spec
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "10"]
@@ -174,6 +176,59 @@ def test_checkpoint_problems_are_found_before_launch(straight1, tmp_path):
     with pytest.raises(ConfigError, match="model's is \\(1024, 256\\)"):
         preflight(cfg, 1)
     preflight(config_load.load([*job(1, 20), *dump])[0], 1)  # the matching model resumes
+
+
+@pytest.fixture
+def fork(tmp_path, monkeypatch):
+    """models/llama3 copied as a `my_llama` family (identical parameters), registered from tmp_path
+    as a copied folder is from models/; `name` -> the folder it made."""
+    import titanlite.models
+
+    monkeypatch.setattr(titanlite.models, "__path__", [*titanlite.models.__path__, str(tmp_path / "families")])
+
+    def make(name: str, spec_name: str) -> None:
+        folder = tmp_path / "families" / name
+        shutil.copytree(Path(titanlite.models.__path__[0]) / "llama3", folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        init = folder / "__init__.py"
+        init.write_text(init.read_text().replace('name="llama3"', f'name="{spec_name}"'))
+        monkeypatch.delitem(sys.modules, f"titanlite.models.{name}", raising=False)
+
+    yield make
+    for name in [m for m in sys.modules if m.startswith("titanlite.models.my_llama")]:
+        del sys.modules[name]
+
+
+def test_another_models_checkpoint_is_refused_before_launch(straight1, tmp_path, fork):
+    """A llama3 checkpoint never loads into a fork with the very same parameters (nor another
+    flavor, nor a model lacking any saved weight): resumed, by load_step or as initial weights."""
+    step10 = straight1 / "checkpoint" / "step-10"
+    shutil.copytree(step10, tmp_path / "checkpoint" / "step-10")
+    dump = ["--job.dump_folder", str(tmp_path)]
+    fork("my_llama", "my_llama")
+    refused = "{} holds a checkpoint of model 'llama3', not of 'my_llama' \\(model.name\\)"
+    for extra in ([], ["--checkpoint.load_step", "10"]):
+        cfg, _ = config_load.load([*job(1, 20, "--model.name", "my_llama", *extra), *dump])
+        with pytest.raises(ConfigError, match=refused.format(tmp_path / "checkpoint" / "step-10")):
+            preflight(cfg, 1)
+    cfg, _ = config_load.load([*job(1, 20, "--model.name", "my_llama", "--checkpoint.enable", "false"), *dump,
+                               "--checkpoint.initial_load_path", str(step10)])
+    with pytest.raises(ConfigError, match=refused.format(step10)):
+        preflight(cfg, 1)
+    # the same family, another flavor with the same shapes (tied embeddings)
+    cfg, _ = config_load.load([*job(1, 20, "--model.flavor", "debugmodel_tied"), *dump])
+    with pytest.raises(ConfigError, match=r"with tie_embeddings=False, but this run's llama3 flavor has tie_embeddings=True"):
+        preflight(cfg, 1)
+    # a saved weight the running model lacks (check_shapes alone looks only the other way)
+    spec, args = get_model_spec("llama3"), preflight(config_load.load([*job(1, 20), *dump])[0], 1).args
+    fewer = {k: v for k, v in model_shapes(spec, args).items() if k != "layers.3.ffn_norm.weight"}
+    with pytest.raises(ConfigError, match=r"with 'layers.3.ffn_norm.weight', which this run's llama3 lacks"):
+        check_saved_model(step10, read_info(step10), read_metadata(step10), spec, args, fewer, fewer)
+    # a fork whose SPEC keeps the name of the family it copied is refused by the registry
+    fork("my_llama_misnamed", "llama3")
+    with pytest.raises(ConfigError, match=r"models/my_llama_misnamed/__init__.py: SPEC.name is 'llama3' but its "
+                                          r"folder is 'my_llama_misnamed'; set ModelSpec\(name=\"my_llama_misnamed\""):
+        get_model_spec("my_llama_misnamed")
 
 
 def test_seed_checkpoint_needs_one_process():
