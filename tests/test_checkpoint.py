@@ -7,7 +7,6 @@ same job as "train 20". Every layout uses the same global batch of 8 samples.
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -176,27 +175,6 @@ def test_checkpoint_problems_are_found_before_launch(straight1, tmp_path):
     with pytest.raises(ConfigError, match="model's is \\(1024, 256\\)"):
         preflight(cfg, 1)
     preflight(config_load.load([*job(1, 20), *dump])[0], 1)  # the matching model resumes
-
-
-@pytest.fixture
-def fork(tmp_path, monkeypatch):
-    """models/llama3 copied as a `my_llama` family (identical parameters), registered from tmp_path
-    as a copied folder is from models/; `name` -> the folder it made."""
-    import titanlite.models
-
-    monkeypatch.setattr(titanlite.models, "__path__", [*titanlite.models.__path__, str(tmp_path / "families")])
-
-    def make(name: str, spec_name: str) -> None:
-        folder = tmp_path / "families" / name
-        shutil.copytree(Path(titanlite.models.__path__[0]) / "llama3", folder,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        init = folder / "__init__.py"
-        init.write_text(init.read_text().replace('name="llama3"', f'name="{spec_name}"'))
-        monkeypatch.delitem(sys.modules, f"titanlite.models.{name}", raising=False)
-
-    yield make
-    for name in [m for m in sys.modules if m.startswith("titanlite.models.my_llama")]:
-        del sys.modules[name]
 
 
 def test_another_models_checkpoint_is_refused_before_launch(straight1, tmp_path, fork):
