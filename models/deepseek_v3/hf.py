@@ -203,4 +203,6 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
                      mtp_layers=cfg.get("num_nextn_predict_layers") or 0)
 
 
-ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf)
+ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf,
+                    optional=("mtp.",))
+"""The MTP depths are optional: transformers' DeepseekV3ForCausalLM drops them on load and never saves them."""

@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.checkpoint.hf import HFAdapter, block_groups, check_hf_config, read_safetensors
+from titanlite.checkpoint.hf import (HFAdapter, block_groups, check_hf_config, fresh_line, fresh_names,
+                                    read_safetensors)
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
                                         TrainState)
@@ -180,14 +181,18 @@ def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             param.copy_(src)
 
 
-def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any) -> None:
+def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any,
+                    whole: Collection[str] | None = None) -> list[str]:
     """A transformers folder into the parts (sharded or not), one decoder block at a time: a
     rank holds its own shards and one block's full tensors, never the whole model, and reads no
-    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers."""
+    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers.
+    Returns the names of `whole` (the whole model's; default: the parts') that the folder lacks
+    and that keep their initial values (HFAdapter.optional), for the caller to say once."""
     headers = read_safetensors(path, meta=True)
     states = [part.state_dict() for part in parts]
-    check_shapes({k: v.shape for sd in states for k, v in sd.items()},
-                 {k: v.shape for k, v in adapter.from_hf(headers, args).items()}, str(path))
+    found = {k: v.shape for k, v in adapter.from_hf(headers, args).items()}
+    fresh = fresh_names(adapter, whole if whole is not None else [k for sd in states for k in sd], found)
+    check_shapes({k: v.shape for sd in states for k, v in sd.items() if k not in fresh}, found, str(path))
     mine = {k for sd in states for k in sd}
     unread = adapter.from_hf({}, args)  # what needs no weight (a MoE's zero router bias)
     for part in parts:
@@ -198,6 +203,7 @@ def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args
         full = adapter.from_hf(read_safetensors(path, set(names)), args)
         for part in parts:
             _assign_full(part, {k: v for k, v in full.items() if k not in unread})
+    return fresh
 
 
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
@@ -324,7 +330,9 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
-            load_hf_weights(self.parts, path, adapter, self.args)
+            fresh = load_hf_weights(self.parts, path, adapter, self.args, model_shapes(self.spec, self.args))
+            if fresh and self.rank == 0:
+                print(fresh_line(fresh, path), flush=True)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 

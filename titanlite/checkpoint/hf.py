@@ -42,6 +42,29 @@ class HFAdapter:
     """(ModelArgs, dtype) -> config.json contents."""
     args_from_hf: Callable[[dict[str, Any]], Any]
     """config.json contents -> ModelArgs; raises ConfigError for what the family cannot express."""
+    optional: tuple[str, ...] = ()
+    """Prefixes of titanlite names a transformers folder may lack as a whole (DeepSeek-V3's
+    multi-token prediction depths: its config counts them, save_pretrained never writes them):
+    they keep their seeded initial values, and the load says so in one line (fresh_names)."""
+
+
+def fresh_names(adapter: HFAdapter, expected: Iterable[str], found: Collection[str]) -> list[str]:
+    """The `expected` names the folder does not hold and that start from their initial values: a
+    whole `adapter.optional` group, never part of one (then they are missing, which the caller's
+    shape check reports)."""
+    fresh = []
+    for prefix in adapter.optional:
+        group = [k for k in expected if k.startswith(prefix)]
+        if group and not any(k in found for k in group):
+            fresh += group
+    return fresh
+
+
+def fresh_line(fresh: list[str], folder: str | Path) -> str:
+    """The one line that says which weights a transformers folder left to their initial values."""
+    groups = sorted({k.split(".", 2)[0] + "." + k.split(".", 2)[1] for k in fresh})
+    return (f"titanlite: {folder} holds no weights for {', '.join(g + '.*' for g in groups)} ({len(fresh)} tensors; "
+            "transformers does not save them): they start from their seeded initial values")
 
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
