@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import titanlite
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from titanlite.models.llama3 import SPEC
@@ -247,3 +248,7 @@ def test_a_forks_activation_is_exported_and_a_parallel_block_refused(tmp_path, f
     assert not (tmp_path / "parallel_hf").exists()
     with pytest.raises(ConfigError, match="block 0 is titanlite.models.my_parallel.model.ParallelBlock"):
         get_model_spec("my_parallel").hf.config_to_hf(args, torch.float32)
+    # importing: a SiLU folder never loads into the GELU fork, whose args alone would match it
+    hf_model("gqa_rope_scaling").save_pretrained(tmp_path / "silu_hf")
+    with pytest.raises(ConfigError, match=r"differs from the model config in hidden_act \(silu vs gelu\)"):
+        titanlite.load_hf(tmp_path / "silu_hf", "my_gelu")

@@ -58,13 +58,14 @@ def load_hf(folder: str | Path, name: str, seed: int = 0) -> tuple[torch.nn.Modu
     import sys
 
     from titanlite.checkpoint.dcp import check_shapes
-    from titanlite.checkpoint.hf import fresh_line, fresh_names, read_config, read_safetensors
+    from titanlite.checkpoint.hf import check_hf_config, fresh_line, fresh_names, read_config, read_safetensors
     from titanlite.errors import ConfigError
 
     spec = get_model_spec(name)
     if spec.hf is None:
         raise ConfigError(f"model '{name}' has no Hugging Face adapter (models/{name}/hf.py)")
     args = spec.hf.args_from_hf(read_config(folder))
+    check_hf_config(spec.hf, folder, args)  # what the family builds computes what the folder says (its activation)
     model = spec.build(args)
     model.init_weights(seed)
     state = spec.hf.from_hf(read_safetensors(folder), args)

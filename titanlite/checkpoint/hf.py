@@ -249,7 +249,10 @@ def read_config(folder: str | Path) -> dict[str, Any]:
 
 def check_hf_config(adapter: HFAdapter, folder: str | Path, args: Any) -> None:
     """Refuse a transformers folder whose architecture differs from `args` (context length aside)."""
-    theirs = adapter.config_to_hf(adapter.args_from_hf(read_config(folder)), torch.float32)
+    raw = read_config(folder)
+    theirs = adapter.config_to_hf(adapter.args_from_hf(raw), torch.float32)
+    # config_to_hf reads the activation off the model this family builds; the folder's is its own
+    theirs["hidden_act"] = raw.get("hidden_act", "silu")
     ours = adapter.config_to_hf(args, torch.float32)
     diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype") and ours[k] != theirs.get(k)]
     if diff:
