@@ -179,20 +179,25 @@ def decoder_facts(model: nn.Module, architecture: str, layer: dict[str, str], ro
         if type(block) is not Block:
             raise refuse(f"block {i} is {type(block).__module__}.{type(block).__qualname__}, not "
                          "titanlite.layers.decoder.Block (attention, then the feed-forward, each after its own norm)")
-        if type(block.attention) not in attention or getattr(block.attention, "rotate", rotate) is not rotate:
+        turn = getattr(block.attention, "rotate", None)
+        if type(block.attention) not in attention or turn is not rotate:
             raise refuse(f"block {i}'s attention is {type(block.attention).__qualname__} rotating with "
-                         f"{getattr(block.attention, 'rotate', None).__name__}, not {rotate.__name__}")
+                         f"{getattr(turn, '__name__', turn)}, not {' or '.join(a.__name__ for a in attention)} "
+                         f"rotating with {rotate.__name__}")
         names = set(block.state_dict())
         dense = {n for n in layer if not n.startswith("moe.")} if block.moe is None else \
             {n for n in layer if not n.startswith("feed_forward.")}
         mine = {n for n in names if not n.startswith("moe.")} | (names & set(layer))
         if mine - dense or (complete and dense - mine):
             diff = sorted(mine - dense) or sorted(dense - mine)
-            has = "has" if mine - dense else "lacks"
-            raise refuse(f"block {i} {has} '{diff[0]}'" + (f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""))
+            more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+            why = "which it has no name for" if mine - dense else "which it has in every block"
+            raise refuse(f"block {i} {'has' if mine - dense else 'lacks'} '{diff[0]}'{more}, {why}")
         ffns = [block.feed_forward] if block.moe is None else [m for m in (block.moe.shared,) if m is not None]
-        if block.moe is not None and type(block.moe) is not MoE:
-            raise refuse(f"block {i}'s moe is {type(block.moe).__qualname__}, not titanlite.layers.moe.MoE")
+        if block.moe is not None:
+            if type(block.moe) is not MoE:
+                raise refuse(f"block {i}'s moe is {type(block.moe).__qualname__}, not titanlite.layers.moe.MoE")
+            acts.add("silu")  # the routed experts' gate (titanlite.layers.moe)
         for ffn in ffns:
             if type(ffn) is not FeedForward or ffn.act not in ACTIVATIONS:
                 act = getattr(ffn, "act", None)
@@ -202,7 +207,7 @@ def decoder_facts(model: nn.Module, architecture: str, layer: dict[str, str], ro
             acts.add(ACTIVATIONS[ffn.act])
     if len(acts) > 1:
         raise refuse(f"its blocks mix the activations {', '.join(sorted(acts))}; config.json has one hidden_act")
-    return {"hidden_act": acts.pop() if acts else "silu"}  # MoE experts compute SiLU (titanlite.layers.moe)
+    return {"hidden_act": acts.pop()}
 
 
 def read_decoder_config(cfg: dict[str, Any], model_type: str, family: str, rope_types: tuple[str, ...],
