@@ -125,7 +125,7 @@ def test_import_and_export_match_transformers_logits(q_lora_rank, yarn, tmp_path
     assert _max_diff(ours, back) <= 1e-5
 
 
-def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(tmp_path, capsys):
+def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(tmp_path, capsys, monkeypatch):
     """save_pretrained keeps num_nextn_predict_layers but never the MTP weights: the Python API and
     the trainer's initial load (load_hf_weights) read every weight the folder holds, the MTP depth
     keeps its seeded values, and one line says so."""
@@ -150,11 +150,19 @@ def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(t
         whole = Transformer(args).state_dict().keys()
     assert sorted(load_hf_weights([ours], tmp_path, SPEC.hf, args, whole)) == sorted(mtp)
     assert all(torch.equal(ours.state_dict()[k], v) for k, v in model.state_dict().items())
-    # a folder missing a weight that is not optional is still refused
+    # a folder missing a weight that is not optional is still refused, by the API and before launch
     saved = {k: v for k, v in read_safetensors(tmp_path).items() if k != "model.norm.weight"}
     write_hf_folder(tmp_path / "short", saved, read_config(tmp_path))
-    with pytest.raises(ConfigError, match="has no 'norm.weight'"):
+    with pytest.raises(ConfigError, match="short has no 'norm.weight'"):
         titanlite.load_hf(tmp_path / "short", "deepseek_v3")
+    flavor = {"q_lora_rank": 0, "yarn": None, "rope_interleave": False, "mtp_layers": 1}
+    monkeypatch.setitem(flavors, "tiny", dataclasses.replace(flavors["debugmodel"], **flavor))
+    job = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.seq_len", "64",
+           "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_format", "hf"]
+    preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path)])[0], 1, data=False)
+    with pytest.raises(ConfigError, match="short has no 'norm.weight'"):
+        preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path / "short")])[0], 1,
+                  data=False)
 
 
 def _quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

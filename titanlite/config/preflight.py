@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import check_saved_model, model_shapes, read_info, read_metadata, resume_step
+from titanlite.checkpoint.dcp import (check_saved_model, check_shapes, model_shapes, read_info, read_metadata,
+                                     resume_step)
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data.loader import probe_data
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import check_hf_config
+from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
@@ -121,7 +122,12 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
         if spec.hf is None:
             raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
         check_hf_config(spec.hf, cfg.initial_load_path, args)
-        return  # the weights' shapes are known only once read
+        # names and shapes from the files' headers, as the ranks' load_hf_weights checks them
+        whole = model_shapes(spec, args)
+        found = {k: v.shape for k, v in spec.hf.from_hf(read_safetensors(cfg.initial_load_path, meta=True), args).items()}
+        fresh = fresh_names(spec.hf, whole, found)
+        check_shapes({k: v for k, v in whole.items() if k not in fresh}, found, cfg.initial_load_path)
+        return
     else:
         path = Path(cfg.initial_load_path)
     whole = model_shapes(spec, args)
