@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch titanlite training with torchrun.
 #   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--print-plan] [--section.key VALUE ...]
-# FILE may be a bare name in train_configs/. Multi-node: set NNODES, NODE_RANK and
+# FILE may be a bare name in train_configs/ (default: debug_model.toml). Multi-node: set NNODES, NODE_RANK and
 # RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
 set -euo pipefail
 
@@ -14,6 +14,14 @@ for var in NGPU NNODES; do
     exit 2
   fi
 done
+
+# Without --config, the default job: train_configs/debug_model.toml (as TorchTitan's run_train.sh),
+# so the bare command and the file are one job, not the file and JobConfig's defaults.
+has_config=0
+for arg in "$@"; do
+  case "$arg" in --config | --config=* | --job.config_file | --job.config_file=*) has_config=1 ;; esac
+done
+if (( ! has_config )); then set -- --config debug_model.toml "$@"; fi
 
 case " $* " in
   *" --help "* | *" -h "* | *" --print-config "*) exec python -m titanlite.train "$@" ;;

@@ -14,13 +14,14 @@ import torch
 from harness import TINY, assert_parity, launch, train
 
 from titanlite.config import load as config_load
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.dcp import check_saved_model, load_tensors, model_shapes, read_info, read_metadata
 from titanlite.checkpoint.state import DataState
 from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.config.preflight import preflight
+from titanlite.model_spec import get_model_spec
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "10"]
@@ -174,6 +175,38 @@ def test_checkpoint_problems_are_found_before_launch(straight1, tmp_path):
     with pytest.raises(ConfigError, match="model's is \\(1024, 256\\)"):
         preflight(cfg, 1)
     preflight(config_load.load([*job(1, 20), *dump])[0], 1)  # the matching model resumes
+
+
+def test_another_models_checkpoint_is_refused_before_launch(straight1, tmp_path, fork):
+    """A llama3 checkpoint never loads into a fork with the very same parameters (nor another
+    flavor, nor a model lacking any saved weight): resumed, by load_step or as initial weights."""
+    step10 = straight1 / "checkpoint" / "step-10"
+    shutil.copytree(step10, tmp_path / "checkpoint" / "step-10")
+    dump = ["--job.dump_folder", str(tmp_path)]
+    fork("my_llama", "my_llama")
+    refused = "{} holds a checkpoint of model 'llama3', not of 'my_llama' \\(model.name\\)"
+    for extra in ([], ["--checkpoint.load_step", "10"]):
+        cfg, _ = config_load.load([*job(1, 20, "--model.name", "my_llama", *extra), *dump])
+        with pytest.raises(ConfigError, match=refused.format(tmp_path / "checkpoint" / "step-10")):
+            preflight(cfg, 1)
+    cfg, _ = config_load.load([*job(1, 20, "--model.name", "my_llama", "--checkpoint.enable", "false"), *dump,
+                               "--checkpoint.initial_load_path", str(step10)])
+    with pytest.raises(ConfigError, match=refused.format(step10)):
+        preflight(cfg, 1)
+    # the same family, another flavor with the same shapes (tied embeddings)
+    cfg, _ = config_load.load([*job(1, 20, "--model.flavor", "debugmodel_tied"), *dump])
+    with pytest.raises(ConfigError, match=r"with tie_embeddings=False, but this run's llama3 flavor has tie_embeddings=True"):
+        preflight(cfg, 1)
+    # a saved weight the running model lacks (check_shapes alone looks only the other way)
+    spec, args = get_model_spec("llama3"), preflight(config_load.load([*job(1, 20), *dump])[0], 1).args
+    fewer = {k: v for k, v in model_shapes(spec, args).items() if k != "layers.3.ffn_norm.weight"}
+    with pytest.raises(ConfigError, match=r"with 'layers.3.ffn_norm.weight', which this run's llama3 lacks"):
+        check_saved_model(step10, read_info(step10), read_metadata(step10), spec, args, fewer, fewer)
+    # a fork whose SPEC keeps the name of the family it copied is refused by the registry
+    fork("my_llama_misnamed", "llama3")
+    with pytest.raises(ConfigError, match=r"models/my_llama_misnamed/__init__.py: SPEC.name is 'llama3' but its "
+                                          r"folder is 'my_llama_misnamed'; set ModelSpec\(name=\"my_llama_misnamed\""):
+        get_model_spec("my_llama_misnamed")
 
 
 def test_seed_checkpoint_needs_one_process():

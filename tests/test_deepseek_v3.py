@@ -11,6 +11,8 @@ import torch
 
 from titanlite.config import load as config_load
 from titanlite.config.preflight import preflight
+import titanlite
+from titanlite.checkpoint.dcp import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoE
@@ -68,11 +70,11 @@ def test_flavor_parameter_counts_match_transformers_and_the_released_config():
             hf.args_from_hf({**RELEASED_671B, **bad})
 
 
-def _tiny(q_lora_rank: int, yarn: bool):
+def _tiny(q_lora_rank: int, yarn: bool, mtp_layers: int = 0):
     """A random transformers model of the debug shapes (two groups kept of four, a dense first
     layer, a non-zero selection bias), and our args for it."""
     base = flavors["debugmodel"]
-    args = dataclasses.replace(base, q_lora_rank=q_lora_rank, max_seq_len=2048, mtp_layers=0,
+    args = dataclasses.replace(base, q_lora_rank=q_lora_rank, max_seq_len=2048, mtp_layers=mtp_layers,
                                yarn=base.yarn if yarn else None, rope_interleave=yarn)
     torch.manual_seed(0)
     cfg = transformers.DeepseekV3Config(**hf.config_to_hf(args, torch.float32), initializer_range=0.1)
@@ -121,6 +123,46 @@ def test_import_and_export_match_transformers_logits(q_lora_rank, yarn, tmp_path
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     assert type(back).__name__ == "DeepseekV3ForCausalLM"
     assert _max_diff(ours, back) <= 1e-5
+
+
+def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(tmp_path, capsys, monkeypatch):
+    """save_pretrained keeps num_nextn_predict_layers but never the MTP weights: the Python API and
+    the trainer's initial load (load_hf_weights) read every weight the folder holds, the MTP depth
+    keeps its seeded values, and one line says so."""
+    args, theirs = _tiny(0, False, mtp_layers=1)
+    theirs.save_pretrained(tmp_path)
+    assert read_config(tmp_path)["num_nextn_predict_layers"] == 1
+    assert not any(".layers.3." in k for k in read_safetensors(tmp_path, meta=True))  # no MTP block saved
+    seeded = Transformer(args)
+    seeded.init_weights(5)
+    mtp = {k: v for k, v in seeded.state_dict().items() if k.startswith("mtp.0.")}
+    capsys.readouterr()  # transformers' progress bars
+    model, loaded_args = titanlite.load_hf(tmp_path, "deepseek_v3", seed=5)
+    line = (f"titanlite: {tmp_path} holds no weights for mtp.0.* ({len(mtp)} tensors; transformers does not save "
+            "them): they start from their seeded initial values")
+    assert capsys.readouterr().err.strip() == line
+    assert loaded_args == args and _max_diff(model, theirs) <= 1e-5
+    assert len(mtp) > 10 and all(torch.equal(model.state_dict()[k], v) for k, v in mtp.items())
+    # the trainer's checkpoint.initial_load_path (format hf) path, into a model built for the run
+    ours = Transformer(args)
+    ours.init_weights(5)
+    with torch.device("meta"):
+        whole = Transformer(args).state_dict().keys()
+    assert sorted(load_hf_weights([ours], tmp_path, SPEC.hf, args, whole)) == sorted(mtp)
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in model.state_dict().items())
+    # a folder missing a weight that is not optional is still refused, by the API and before launch
+    saved = {k: v for k, v in read_safetensors(tmp_path).items() if k != "model.norm.weight"}
+    write_hf_folder(tmp_path / "short", saved, read_config(tmp_path))
+    with pytest.raises(ConfigError, match="short has no 'norm.weight'"):
+        titanlite.load_hf(tmp_path / "short", "deepseek_v3")
+    flavor = {"q_lora_rank": 0, "yarn": None, "rope_interleave": False, "mtp_layers": 1}
+    monkeypatch.setitem(flavors, "tiny", dataclasses.replace(flavors["debugmodel"], **flavor))
+    job = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.seq_len", "64",
+           "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_format", "hf"]
+    preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path)])[0], 1, data=False)
+    with pytest.raises(ConfigError, match="short has no 'norm.weight'"):
+        preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path / "short")])[0], 1,
+                  data=False)
 
 
 def _quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

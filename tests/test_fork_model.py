@@ -12,14 +12,14 @@ ARGS = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--data.holdout_fraction", "0.0"]
 
 
-def _run_train(repo, dump, args):
+def _run_train(repo, dump, args, code=0):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": str(repo), "NGPU": "1"}
     proc = subprocess.run(["bash", "run_train.sh", "--job.dump_folder", str(dump), *ARGS, *args],
                           capture_output=True, text=True, env=env, cwd=repo, timeout=300)
     run = Run(proc.returncode, proc.stdout + proc.stderr, dump)
     # run_train.sh's launcher already ignores the known post-completion gloo SIGABRT
-    assert proc.returncode == 0, run.output[-4000:]
+    assert proc.returncode == code, run.output[-4000:]
     return run
 
 
@@ -42,11 +42,21 @@ def test_copy_edit_and_train_a_forked_model(tmp_path):
     _edit(repo / "models" / "my_llama" / "model.py", "FeedForward(args.dim, args.ffn_hidden, F.silu)",
           "FeedForward(args.dim, args.ffn_hidden, F.gelu)")
 
-    # 4. train from the command line
-    fork = _run_train(repo, tmp_path / "fork", ["--model.name", "my_llama", "--training.steps", "30",
-                                                "--lr_scheduler.warmup_steps", "3"])
+    # 4. train from the command line, in two halves: the fork's checkpoint records its family, so
+    # the fork resumes it, while llama3, with the very same parameter names and shapes, is refused
+    # on the ranks (the preflight, skipped here, refuses it too)
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "15", "--lr_scheduler.warmup_steps", "3"]
+    fork = _run_train(repo, tmp_path / "fork", ["--model.name", "my_llama", "--training.steps", "15", *ckpt])
     assert re.search(r"titanlite: my_llama debugmodel", fork.output), fork.output[-2000:]
-    losses = fork.losses
+    saved = tmp_path / "fork" / "checkpoint" / "step-15"
+    refused = _run_train(repo, tmp_path / "fork", ["--skip-preflight", "--model.name", "llama3",
+                                                   "--training.steps", "30", *ckpt], code=2)
+    line = (f"titanlite: error: {saved} holds a checkpoint of model 'my_llama', not of 'llama3' (model.name): "
+            "another model's weights would load into it")
+    assert line in refused.output.strip().splitlines()[-1], refused.output[-2000:]
+    resumed = _run_train(repo, tmp_path / "fork", ["--model.name", "my_llama", "--training.steps", "30", *ckpt])
+    assert f"resumed from {saved}" in resumed.output, resumed.output[-2000:]
+    losses = resumed.losses  # both halves' rows
     assert len(losses) == 30
     assert max(losses[-5:]) < 0.6 * losses[0], losses
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import titanlite
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from titanlite.models.llama3 import SPEC
@@ -199,3 +200,55 @@ def test_export_writes_the_model_context_length_not_the_training_one(family):
     cfg = spec.hf.config_to_hf(saved, torch.float32)
     assert args.max_seq_len == 64
     assert cfg["max_position_embeddings"] == spec.flavors["debugmodel"].max_seq_len > 64
+
+
+GELU = (("model.py", "FeedForward(args.dim, args.ffn_hidden, F.silu)", "FeedForward(args.dim, args.ffn_hidden, F.gelu)"),)
+"""docs/fork_a_model.md's first example: SiLU -> GELU, which ModelArgs does not show."""
+PARALLEL = (("model.py", "def block(args: ModelArgs, layer: int) -> Block:", """class ParallelBlock(Block):
+    def forward(self, x, cos, sin, ctx):
+        h = self.attention_norm(x)
+        return x + self.attention(h, cos, sin, ctx) + self.feed_forward(h)
+
+
+def block(args: ModelArgs, layer: int) -> Block:"""),
+            ("model.py", "return Block(args.dim, args.norm_eps, attention,", "return ParallelBlock(args.dim, args.norm_eps, attention,"))
+"""GPT-J's parallel attention + MLP block, with LlamaForCausalLM's parameter names."""
+
+
+def test_a_forks_activation_is_exported_and_a_parallel_block_refused(tmp_path, fork):
+    """What config.json says comes from the built model, not from constants: a GELU fork exports
+    hidden_act gelu and transformers reproduces its logits; what LlamaForCausalLM cannot compute
+    (a parallel block) is refused in one line, by tools/convert and the Python API alike."""
+    fork("my_gelu", "my_gelu", GELU)
+    fork("my_parallel", "my_parallel", PARALLEL)
+    models = {}
+    for name in ("my_gelu", "my_parallel"):
+        spec = get_model_spec(name)
+        args = spec.hf.args_from_hf(dict(CONFIGS["gqa_rope_scaling"], model_type="llama", max_position_embeddings=128,
+                                         rms_norm_eps=1e-5))
+        model = spec.build(args)
+        model.init_weights(0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.normal_(0, 0.1) if not n.endswith("norm.weight") else p.uniform_(0.5, 1.5)
+        write_model_checkpoint(tmp_path / name, model.state_dict(), name, args)
+        models[name] = model.eval()
+    convert_main(["dcp", "hf", str(tmp_path / "my_gelu"), str(tmp_path / "gelu_hf")])
+    assert read_config(tmp_path / "gelu_hf")["hidden_act"] == "gelu"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "gelu_hf", attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ours, theirs = models["my_gelu"](TOKENS), hf(TOKENS).logits
+    assert ours.abs().max() > 1.0
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    refused = ("titanlite: error: LlamaForCausalLM cannot express this model: block 0 is "
+               "titanlite.models.my_parallel.model.ParallelBlock, not titanlite.layers.decoder.Block")
+    with pytest.raises(SystemExit) as e:
+        convert_main(["dcp", "hf", str(tmp_path / "my_parallel"), str(tmp_path / "parallel_hf")])
+    assert str(e.value).startswith(refused) and "\n" not in str(e.value), e.value
+    assert not (tmp_path / "parallel_hf").exists()
+    with pytest.raises(ConfigError, match="block 0 is titanlite.models.my_parallel.model.ParallelBlock"):
+        get_model_spec("my_parallel").hf.config_to_hf(args, torch.float32)
+    # importing: a SiLU folder never loads into the GELU fork, whose args alone would match it
+    hf_model("gqa_rope_scaling").save_pretrained(tmp_path / "silu_hf")
+    with pytest.raises(ConfigError, match=r"differs from the model config in hidden_act \(silu vs gelu\)"):
+        titanlite.load_hf(tmp_path / "silu_hf", "my_gelu")

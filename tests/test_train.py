@@ -11,6 +11,7 @@ import pytest
 from harness import REPO, TINY, _env, reference
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from titanlite.config.load import load, to_toml
 
 TAGS = {"loss/train", "train/grad_norm", "train/lr", "perf/tokens_per_sec", "memory/peak_gib"}
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "skipped_steps", "epoch"}
@@ -79,6 +80,11 @@ def test_help_and_print_config():
     assert proc.returncode == 0 and "--training.steps" in proc.stdout
     proc, _ = run_sh(["--config", "llama_8b.toml", "--print-config"])
     assert proc.returncode == 0 and 'flavor = "8B"' in proc.stdout
+    # one default job: the bare command runs train_configs/debug_model.toml, its Muon LR included
+    proc, _ = run_sh(["--print-config"])
+    default, _ = load(["--config", "debug_model.toml"])
+    assert proc.returncode == 0 and proc.stdout == to_toml(default) + "\n", proc.stdout + proc.stderr
+    assert "muon_lr = 0.016" in proc.stdout
 
 
 def _tokenizer_folder_without_files(tmp_path):

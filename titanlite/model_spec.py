@@ -69,10 +69,15 @@ def available() -> list[str]:
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """Import titanlite.models.<name> and return its SPEC."""
+    """Import titanlite.models.<name> and return its SPEC, whose `name` must be the folder's:
+    checkpoints record it (and refuse another family's), and tools/convert picks the family by it."""
     if name not in available():
         raise ConfigError(f"model.name: unknown model '{name}'; available: {', '.join(available())}")
-    return importlib.import_module(f"titanlite.models.{name}").SPEC
+    spec = importlib.import_module(f"titanlite.models.{name}").SPEC
+    if spec.name != name:
+        raise ConfigError(f"models/{name}/__init__.py: SPEC.name is '{spec.name}' but its folder is '{name}'; "
+                          f"set ModelSpec(name=\"{name}\", ...) (checkpoints record the family by it)")
+    return spec
 
 
 def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None) -> Any:

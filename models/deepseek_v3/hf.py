@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import (DECODER_LAYER, TOP, HFAdapter, decoder_args, decoder_config,
-                                    read_decoder_config, rename_from_hf, rename_to_hf)
+from titanlite.checkpoint.hf import (DECODER_LAYER, TOP, HFAdapter, decoder_args, decoder_config, decoder_facts,
+                                    on_meta, read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoEArgs
+from titanlite.layers import rope
 from titanlite.layers.rope import YaRN
 
-from .model import ModelArgs
+from .model import MLA, ModelArgs, Transformer
 
 FP8_BLOCK = 128
 _LAYER = DECODER_LAYER | {
@@ -156,7 +157,10 @@ def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         rope_scaling = {"rope_type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_max_seq_len,
                         "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
                         "mscale_all_dim": y.mscale_all_dim}
-    cfg = decoder_config(args, dtype, "DeepseekV3ForCausalLM", "deepseek_v3", rope_scaling,
+    rotate = rope.rotate_pairs if args.rope_interleave else rope.rotate_halves
+    facts = decoder_facts(on_meta(Transformer, args), "DeepseekV3ForCausalLM", _LAYER, rotate, (MLA,), forward=None,
+                          complete=False)
+    cfg = decoder_config(args, dtype, "DeepseekV3ForCausalLM", "deepseek_v3", rope_scaling, **facts,
                          moe_intermediate_size=moe.hidden, n_routed_experts=moe.num_experts,
                          n_shared_experts=moe.shared_hidden // moe.hidden, num_experts_per_tok=moe.top_k,
                          routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group,
@@ -199,4 +203,6 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
                      mtp_layers=cfg.get("num_nextn_predict_layers") or 0)
 
 
-ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf)
+ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf,
+                    optional=("mtp.",))
+"""The MTP depths are optional: transformers' DeepseekV3ForCausalLM drops them on load and never saves them."""

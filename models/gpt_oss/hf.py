@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from titanlite.checkpoint import mxfp4
-from titanlite.checkpoint.hf import (DECODER_LAYER, HFAdapter, decoder_args, decoder_config, read_decoder_config,
-                                    rename_from_hf, rename_to_hf)
+from titanlite.checkpoint.hf import (DECODER_LAYER, HFAdapter, decoder_args, decoder_config, decoder_facts, on_meta,
+                                    read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
 from titanlite.layers import rope
 
-from .model import ModelArgs, alternating, gpt_oss_moe
+from .model import ModelArgs, Transformer, alternating, gpt_oss_moe
 
 _ATTN = {k: v for k, v in DECODER_LAYER.items() if k.startswith("attention") or k.startswith("ffn_norm")}
 _LAYER = (_ATTN | {k.replace(".weight", ".bias"): v.replace(".weight", ".bias") for k, v in _ATTN.items()
@@ -127,7 +127,8 @@ def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         raise ConfigError("GptOssForCausalLM has attention sinks in every layer; this model has none")
     layer_types = list(args.layer_types) or ["sliding_attention" if args.sliding_window else "full_attention"] * \
         args.n_layers
-    return decoder_config(args, dtype, "GptOssForCausalLM", "gpt_oss", rope_scaling=_yarn_to_hf(args.yarn),
+    facts = decoder_facts(on_meta(Transformer, args), "GptOssForCausalLM", _LAYER, rope.rotate_halves)
+    return decoder_config(args, dtype, "GptOssForCausalLM", "gpt_oss", rope_scaling=_yarn_to_hf(args.yarn), **facts,
                           attention_bias=True, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
                           sliding_window=args.sliding_window or None, layer_types=layer_types,
                           swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import (DECODER_LAYER, HFAdapter, decoder_args, decoder_config, read_decoder_config,
-                                    rename_from_hf, rename_to_hf)
+from titanlite.checkpoint.hf import (DECODER_LAYER, HFAdapter, decoder_args, decoder_config, decoder_facts, on_meta,
+                                    read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
+from titanlite.layers import rope
 
-from .model import ModelArgs
+from .model import ModelArgs, Transformer
 
 
 def _regroup_qk(state_dict: dict[str, torch.Tensor], args: ModelArgs, to_halves: bool) -> dict[str, torch.Tensor]:
@@ -49,7 +50,8 @@ def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
                         "low_freq_factor": args.rope_low_freq_factor,
                         "high_freq_factor": args.rope_high_freq_factor,
                         "original_max_position_embeddings": args.rope_original_max_seq_len}
-    return decoder_config(args, dtype, "LlamaForCausalLM", "llama", rope_scaling, mlp_bias=False)
+    facts = decoder_facts(on_meta(Transformer, args), "LlamaForCausalLM", DECODER_LAYER, rope.rotate_pairs)
+    return decoder_config(args, dtype, "LlamaForCausalLM", "llama", rope_scaling, mlp_bias=False, **facts)
 
 
 def _ffn_args(dim: int, hidden: int) -> dict[str, Any]:

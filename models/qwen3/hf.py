@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import (DECODER_LAYER, QK_NORM, HFAdapter, decoder_args, decoder_config,
-                                    read_decoder_config, rename_from_hf, rename_to_hf)
+from titanlite.checkpoint.hf import (DECODER_LAYER, QK_NORM, HFAdapter, decoder_args, decoder_config, decoder_facts,
+                                    on_meta, read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
+from titanlite.layers import rope
 
-from .model import ModelArgs
+from .model import ModelArgs, Transformer
 
 _LAYER = DECODER_LAYER | QK_NORM
 
@@ -32,7 +33,8 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
 
 def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """ModelArgs -> config.json contents that transformers 4.x and 5.x both read."""
-    return decoder_config(args, dtype, "Qwen3ForCausalLM", "qwen3", use_sliding_window=False)
+    facts = decoder_facts(on_meta(Transformer, args), "Qwen3ForCausalLM", _LAYER, rope.rotate_halves)
+    return decoder_config(args, dtype, "Qwen3ForCausalLM", "qwen3", use_sliding_window=False, **facts)
 
 
 def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:

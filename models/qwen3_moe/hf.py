@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import (DECODER_LAYER, QK_NORM, HFAdapter, decoder_args, decoder_config,
-                                    read_decoder_config, rename_from_hf, rename_to_hf)
+from titanlite.checkpoint.hf import (DECODER_LAYER, QK_NORM, HFAdapter, decoder_args, decoder_config, decoder_facts,
+                                    on_meta, read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
+from titanlite.layers import rope
 from titanlite.layers.moe import MoEArgs
 
-from .model import ModelArgs
+from .model import ModelArgs, Transformer
 
 # attention, norms and (in dense layers) the feed-forward are named as in Qwen3 dense
 _LAYER = DECODER_LAYER | QK_NORM | {"moe.router.gate.weight": "mlp.gate.weight"}
@@ -79,7 +80,8 @@ def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     if args.moe.shared_hidden or args.moe.score_func != "softmax":
         raise ConfigError("Qwen3MoeForCausalLM has softmax routing and no shared expert; "
                           "this model cannot be written in its format")
-    return decoder_config(args, dtype, "Qwen3MoeForCausalLM", "qwen3_moe", use_sliding_window=False,
+    facts = decoder_facts(on_meta(Transformer, args), "Qwen3MoeForCausalLM", _LAYER, rope.rotate_halves)
+    return decoder_config(args, dtype, "Qwen3MoeForCausalLM", "qwen3_moe", use_sliding_window=False, **facts,
                           num_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
                           moe_intermediate_size=args.moe.hidden, norm_topk_prob=args.moe.renormalize,
                           decoder_sparse_step=1, mlp_only_layers=list(args.dense_layers))

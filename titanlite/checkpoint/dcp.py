@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,12 +31,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.checkpoint.hf import HFAdapter, block_groups, check_hf_config, read_safetensors
+from titanlite.checkpoint.hf import (HFAdapter, block_groups, check_hf_config, fresh_line, fresh_names,
+                                    read_safetensors)
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
                                         TrainState)
@@ -75,6 +77,47 @@ def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], 
         if tuple(found[key]) != tuple(shape):
             raise ConfigError(f"{where}: '{key}' has shape {tuple(found[key])} but the model's is {tuple(shape)}; "
                               "the checkpoint was made for a different model config")
+
+
+IDENTITY = ("norm_eps", "rope_theta", "tie_embeddings", "sliding_window", "layer_types", "attn_sinks")
+"""DecoderArgs fields that change what a model computes, or which weights it shares, without
+changing any parameter's shape (shapes are compared apart): saved with other values, a
+checkpoint is another model's. The rest of ModelArgs either sets shapes (checked through them)
+or is a training knob (max_seq_len, a MoE's loss coefficient) that may change on resume."""
+
+
+def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
+    """The whole single-device model's state-dict names and shapes (built on meta): the names a
+    checkpoint holds on every layout."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in get_model_state_dict(spec.build(args)).items()}
+
+
+def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: ModelSpec, args: Any,
+                      mine: dict[str, torch.Size], whole: dict[str, torch.Size]) -> None:
+    """Refuse, in one line, a checkpoint of another model: another family, other IDENTITY args,
+    or another parameter set (names and shapes, both ways). `mine`: the names and shapes this
+    process loads (its pipeline stage); `whole`: the whole model's (model_shapes)."""
+    family = info.get("model")
+    what = f"{path} holds a checkpoint of model '{family}'"
+    if family != spec.name:
+        raise ConfigError(f"{what}, not of '{spec.name}' (model.name): another model's weights would load into it; "
+                          f"resume it with --model.name {family}, or give this run its own job.dump_folder "
+                          "(or checkpoint.folder / checkpoint.initial_load_path)")
+    saved, now = info.get("args", {}), json.loads(json.dumps(dataclasses.asdict(args)))
+    differ = [k for k in IDENTITY if k in saved and k in now and saved[k] != now[k]]
+    if differ:
+        raise ConfigError(f"{what} with {', '.join(f'{k}={saved[k]!r}' for k in differ)}, but this run's "
+                          f"{spec.name} flavor has {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
+                          "the flavor it was saved with, or give this run its own job.dump_folder")
+    shapes = saved_shapes(meta, "model.")
+    check_shapes(mine, shapes, str(path))
+    extra = sorted(shapes.keys() - whole.keys())
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConfigError(f"{what} with '{extra[0]}'{more}, which this run's {spec.name} lacks: it was saved from "
+                          "another model; resume it with the model that saved it, or give this run its own "
+                          "job.dump_folder")
 
 
 def saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
@@ -138,14 +181,18 @@ def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
             param.copy_(src)
 
 
-def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any) -> None:
+def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any,
+                    whole: Collection[str] | None = None) -> list[str]:
     """A transformers folder into the parts (sharded or not), one decoder block at a time: a
     rank holds its own shards and one block's full tensors, never the whole model, and reads no
-    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers."""
+    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers.
+    Returns the names of `whole` (the whole model's; default: the parts') that the folder lacks
+    and that keep their initial values (HFAdapter.optional), for the caller to say once."""
     headers = read_safetensors(path, meta=True)
     states = [part.state_dict() for part in parts]
-    check_shapes({k: v.shape for sd in states for k, v in sd.items()},
-                 {k: v.shape for k, v in adapter.from_hf(headers, args).items()}, str(path))
+    found = {k: v.shape for k, v in adapter.from_hf(headers, args).items()}
+    fresh = fresh_names(adapter, whole if whole is not None else [k for sd in states for k in sd], found)
+    check_shapes({k: v.shape for sd in states for k, v in sd.items() if k not in fresh}, found, str(path))
     mine = {k for sd in states for k in sd}
     unread = adapter.from_hf({}, args)  # what needs no weight (a MoE's zero router bias)
     for part in parts:
@@ -156,6 +203,7 @@ def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args
         full = adapter.from_hf(read_safetensors(path, set(names)), args)
         for part in parts:
             _assign_full(part, {k: v for k, v in full.items() if k not in unread})
+    return fresh
 
 
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
@@ -252,9 +300,7 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
-        meta = read_metadata(path)
-        check_shapes({k: v.shape for k, v in self.states["model"].state_dict().items()},
-                     saved_shapes(meta, "model."), str(path))
+        meta = self._check_saved(path)
         self.data.check_saved(meta.state_dict_metadata)
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
@@ -264,16 +310,19 @@ class CheckpointManager:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
         return self.train_state.step
 
-    def _load_model_only(self, path: Path) -> None:
+    def _check_saved(self, path: Path) -> Metadata:
+        """The preflight's check_saved_model again, on the ranks: the last line of defence."""
         meta = read_metadata(path)
-        model_state = self.states["model"]
-        check_shapes({k: v.shape for k, v in model_state.state_dict().items()}, saved_shapes(meta, "model."),
-                     str(path))
-        dcp.load({"model": model_state}, checkpoint_id=str(path))
+        mine = {k: v.shape for k, v in self.states["model"].state_dict().items()}
+        check_saved_model(path, read_info(path), meta, self.spec, self.args, mine, model_shapes(self.spec, self.args))
+        return meta
+
+    def _load_model_only(self, path: Path) -> None:
+        self._check_saved(path)
+        dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
 
     def _initial_load(self, path: Path, fmt: str) -> None:
         if fmt == "dcp":
-            read_info(path)
             self._load_model_only(path)
         else:
             adapter = self.spec.hf
@@ -281,7 +330,9 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
                                   "Hugging Face adapter")
             check_hf_config(adapter, path, self.args)
-            load_hf_weights(self.parts, path, adapter, self.args)
+            fresh = load_hf_weights(self.parts, path, adapter, self.args, model_shapes(self.spec, self.args))
+            if fresh and self.rank == 0:
+                print(fresh_line(fresh, path), flush=True)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 

@@ -15,11 +15,17 @@ from collections.abc import Collection, Iterable
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from titanlite.checkpoint import mxfp4
 from titanlite.errors import ConfigError
+from titanlite.layers.attention import Attention
+from titanlite.layers.decoder import Block, Decoder
+from titanlite.layers.feed_forward import FeedForward
+from titanlite.layers.moe import MoE
 
 INDEX = "model.safetensors.index.json"
 
@@ -36,6 +42,29 @@ class HFAdapter:
     """(ModelArgs, dtype) -> config.json contents."""
     args_from_hf: Callable[[dict[str, Any]], Any]
     """config.json contents -> ModelArgs; raises ConfigError for what the family cannot express."""
+    optional: tuple[str, ...] = ()
+    """Prefixes of titanlite names a transformers folder may lack as a whole (DeepSeek-V3's
+    multi-token prediction depths: its config counts them, save_pretrained never writes them):
+    they keep their seeded initial values, and the load says so in one line (fresh_names)."""
+
+
+def fresh_names(adapter: HFAdapter, expected: Iterable[str], found: Collection[str]) -> list[str]:
+    """The `expected` names the folder does not hold and that start from their initial values: a
+    whole `adapter.optional` group, never part of one (then they are missing, which the caller's
+    shape check reports)."""
+    fresh = []
+    for prefix in adapter.optional:
+        group = [k for k in expected if k.startswith(prefix)]
+        if group and not any(k in found for k in group):
+            fresh += group
+    return fresh
+
+
+def fresh_line(fresh: list[str], folder: str | Path) -> str:
+    """The one line that says which weights a transformers folder left to their initial values."""
+    groups = sorted({k.split(".", 2)[0] + "." + k.split(".", 2)[1] for k in fresh})
+    return (f"titanlite: {folder} holds no weights for {', '.join(g + '.*' for g in groups)} ({len(fresh)} tensors; "
+            "transformers does not save them): they start from their seeded initial values")
 
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -102,16 +131,83 @@ def rename_from_hf(state_dict: dict[str, torch.Tensor], layer: dict[str, str], t
 
 
 def decoder_config(args: Any, dtype: torch.dtype, architecture: str, model_type: str,
-                   rope_scaling: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+                   rope_scaling: dict[str, Any] | None = None, *, hidden_act: str, **extra: Any) -> dict[str, Any]:
     """config.json contents of a Llama-like decoder, keys that transformers 4.x and 5.x both
-    read (rope_theta and rope_scaling apart), then the family's `extra` keys."""
+    read (rope_theta and rope_scaling apart), then the family's `extra` keys. `hidden_act`: what
+    the built model computes (decoder_facts), never assumed."""
     return {"architectures": [architecture], "model_type": model_type, "hidden_size": args.dim,
             "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
             "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
             "head_dim": args.head_dim, "vocab_size": args.vocab_size, "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta, "rope_scaling": rope_scaling, "max_position_embeddings": args.context_len or args.max_seq_len,
-            "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+            "tie_word_embeddings": args.tie_embeddings, "hidden_act": hidden_act, "attention_bias": False,
             **extra, "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+ACTIVATIONS: dict[Callable[..., torch.Tensor], str] = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu"}
+"""Feed-forward activations -> the transformers name (ACT2FN) that computes exactly the same."""
+
+
+def on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
+    """The model `build` makes of `args`, on meta: its structure, for decoder_facts, at no cost."""
+    with torch.device("meta"):
+        return build(args)
+
+
+def decoder_facts(model: nn.Module, architecture: str, layer: dict[str, str], rotate: Callable[..., Any],
+                  attention: tuple[type, ...] = (Attention,), forward: Callable[..., Any] | None = Decoder.forward,
+                  complete: bool = True) -> dict[str, Any]:
+    """What config.json must say about a built model that only its code shows (its activation, as
+    hidden_act), after refusing in one line anything `architecture` cannot compute that the args
+    do not show, so that a fork's edit to model.py exports right or not at all: a top-level forward
+    of its own, a block that is not titanlite.layers.decoder.Block (a parallel attention + MLP
+    block), attention not of the `attention` types or rotating otherwise than `rotate`, a
+    feed-forward other than FeedForward or MoE, an activation with no transformers name, or block
+    parameters outside `layer` (the names the architecture has; a MoE layer's are its own).
+    `forward`: the top-level forward the architecture computes (None: the family's own, as
+    DeepSeek-V3's with its multi-token prediction, which the adapter's names then check alone).
+    `complete`: every block has every name of `layer` (False: `layer` lists alternatives, as
+    DeepSeek-V3's attention with or without a query LoRA; a name outside it is still refused)."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{architecture} cannot express this model: {what}; export a model it can compute, "
+                           f"or write an adapter (models/<name>/hf.py) for an architecture that has it")
+
+    if forward is not None and type(model).forward is not forward:
+        raise refuse(f"{type(model).__qualname__} overrides {forward.__qualname__}")
+    acts = set()
+    for i, block in getattr(model, "layers").items():
+        if type(block) is not Block:
+            raise refuse(f"block {i} is {type(block).__module__}.{type(block).__qualname__}, not "
+                         "titanlite.layers.decoder.Block (attention, then the feed-forward, each after its own norm)")
+        turn = getattr(block.attention, "rotate", None)
+        if type(block.attention) not in attention or turn is not rotate:
+            raise refuse(f"block {i}'s attention is {type(block.attention).__qualname__} rotating with "
+                         f"{getattr(turn, '__name__', turn)}, not {' or '.join(a.__name__ for a in attention)} "
+                         f"rotating with {rotate.__name__}")
+        names = set(block.state_dict())
+        dense = {n for n in layer if not n.startswith("moe.")} if block.moe is None else \
+            {n for n in layer if not n.startswith("feed_forward.")}
+        mine = {n for n in names if not n.startswith("moe.")} | (names & set(layer))
+        if mine - dense or (complete and dense - mine):
+            diff = sorted(mine - dense) or sorted(dense - mine)
+            more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+            why = "which it has no name for" if mine - dense else "which it has in every block"
+            raise refuse(f"block {i} {'has' if mine - dense else 'lacks'} '{diff[0]}'{more}, {why}")
+        ffns = [block.feed_forward] if block.moe is None else [m for m in (block.moe.shared,) if m is not None]
+        if block.moe is not None:
+            if type(block.moe) is not MoE:
+                raise refuse(f"block {i}'s moe is {type(block.moe).__qualname__}, not titanlite.layers.moe.MoE")
+            acts.add("silu")  # the routed experts' gate (titanlite.layers.moe)
+        for ffn in ffns:
+            if type(ffn) is not FeedForward or ffn.act not in ACTIVATIONS:
+                act = getattr(ffn, "act", None)
+                raise refuse(f"block {i}'s feed-forward is {type(ffn).__qualname__} with activation "
+                             f"{getattr(act, '__name__', act)}; exportable: FeedForward with "
+                             + ", ".join(f.__name__ for f in ACTIVATIONS))
+            acts.add(ACTIVATIONS[ffn.act])
+    if len(acts) > 1:
+        raise refuse(f"its blocks mix the activations {', '.join(sorted(acts))}; config.json has one hidden_act")
+    return {"hidden_act": acts.pop()}
 
 
 def read_decoder_config(cfg: dict[str, Any], model_type: str, family: str, rope_types: tuple[str, ...],
@@ -158,7 +254,10 @@ def read_config(folder: str | Path) -> dict[str, Any]:
 
 def check_hf_config(adapter: HFAdapter, folder: str | Path, args: Any) -> None:
     """Refuse a transformers folder whose architecture differs from `args` (context length aside)."""
-    theirs = adapter.config_to_hf(adapter.args_from_hf(read_config(folder)), torch.float32)
+    raw = read_config(folder)
+    theirs = adapter.config_to_hf(adapter.args_from_hf(raw), torch.float32)
+    # config_to_hf reads the activation off the model this family builds; the folder's is its own
+    theirs["hidden_act"] = raw.get("hidden_act", "silu")
     ours = adapter.config_to_hf(args, torch.float32)
     diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype") and ours[k] != theirs.get(k)]
     if diff:

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titanlite.checkpoint.dcp import check_shapes, read_info, read_metadata, resume_step, saved_shapes
+from titanlite.checkpoint.dcp import (check_saved_model, check_shapes, model_shapes, read_info, read_metadata,
+                                     resume_step)
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data.loader import probe_data
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import check_hf_config
+from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
@@ -111,7 +111,7 @@ def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: n
 
 def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:
     """The checkpoint the run would resume from, or else its initial weights, can be read and
-    fit the model (names and shapes)."""
+    are this model's (family, IDENTITY args, names and shapes both ways)."""
     root = Path(dump_folder) / cfg.folder
     step = resume_step(cfg, root, warn=False) if cfg.enable else None
     if step is None and not cfg.initial_load_path:
@@ -122,13 +122,16 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
         if spec.hf is None:
             raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
         check_hf_config(spec.hf, cfg.initial_load_path, args)
-        return  # the weights' shapes are known only once read
+        # names and shapes from the files' headers, as the ranks' load_hf_weights checks them
+        whole = model_shapes(spec, args)
+        found = {k: v.shape for k, v in spec.hf.from_hf(read_safetensors(cfg.initial_load_path, meta=True), args).items()}
+        fresh = fresh_names(spec.hf, whole, found)
+        check_shapes({k: v for k, v in whole.items() if k not in fresh}, found, cfg.initial_load_path)
+        return
     else:
         path = Path(cfg.initial_load_path)
-        read_info(path)
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in get_model_state_dict(spec.build(args)).items()}
-    check_shapes(expected, saved_shapes(read_metadata(path), "model."), str(path))
+    whole = model_shapes(spec, args)
+    check_saved_model(path, read_info(path), read_metadata(path), spec, args, whole, whole)
 
 
 def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
