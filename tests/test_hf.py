@@ -252,3 +252,9 @@ def test_a_forks_activation_is_exported_and_a_parallel_block_refused(tmp_path, f
     hf_model("gqa_rope_scaling").save_pretrained(tmp_path / "silu_hf")
     with pytest.raises(ConfigError, match=r"differs from the model config in hidden_act \(silu vs gelu\)"):
         titanlite.load_hf(tmp_path / "silu_hf", "my_gelu")
+    # and both ways: the GELU fork reads its own export back, the SiLU family it came from refuses it
+    loaded, _ = titanlite.load_hf(tmp_path / "gelu_hf", "my_gelu")
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(TOKENS), ours)
+    with pytest.raises(ConfigError, match=r"differs from the model config in hidden_act \(gelu vs silu\)"):
+        titanlite.load_hf(tmp_path / "gelu_hf", "llama3")

@@ -22,7 +22,7 @@ import torch
 
 from titanlite.checkpoint.dcp import load_tensors, read_info, write_model_checkpoint
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
+from titanlite.checkpoint.hf import check_hf_config, read_config, read_safetensors, write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 FORMATS = ("dcp", "hf", "torch")
@@ -73,6 +73,7 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         spec = get_model_spec(model)
         adapter = _adapter(spec)
         args = adapter.args_from_hf(read_config(src_path))
+        check_hf_config(adapter, src_path, args)  # the folder's activation is the one this family computes
         write_model_checkpoint(dst_path, cast(adapter.from_hf(read_safetensors(src_path), args)), spec.name, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
         _, _, sd = _read_dcp(src_path)
