@@ -12,13 +12,14 @@ import torch
 from titanlite.config import load as config_load
 from titanlite.config.preflight import preflight
 import titanlite
-from titanlite.checkpoint.dcp import load_hf_weights
+from titanlite.checkpoint.dcp import load_hf_weights, load_tensors
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoE
 from titanlite.models.deepseek_v3 import SPEC, activated_params, flavors, hf
 from titanlite.models.deepseek_v3.model import Transformer
 from titanlite.models.deepseek_v3.parallelize import check_layout
+from titanlite.tools.convert import main as convert_main
 from titanlite.parallel.mesh import ParallelDims
 
 import transformers  # noqa: E402
@@ -150,6 +151,11 @@ def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(t
         whole = Transformer(args).state_dict().keys()
     assert sorted(load_hf_weights([ours], tmp_path, SPEC.hf, args, whole)) == sorted(mtp)
     assert all(torch.equal(ours.state_dict()[k], v) for k, v in model.state_dict().items())
+    # tools/convert hf -> dcp writes the whole model, the MTP depth seeded (seed 0) and said so,
+    # so the checkpoint loads as a dcp initial_load_path like any other
+    convert_main(["hf", "dcp", str(tmp_path), str(tmp_path / "dcp"), "--model", "deepseek_v3"])
+    assert "they start from their seeded initial values" in capsys.readouterr().err
+    assert sorted(load_tensors(tmp_path / "dcp", "model.")) == sorted(whole)
     # a folder missing a weight that is not optional is still refused, by the API and before launch
     saved = {k: v for k, v in read_safetensors(tmp_path).items() if k != "model.norm.weight"}
     write_hf_folder(tmp_path / "short", saved, read_config(tmp_path))

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+import titanlite
 from titanlite.checkpoint.dcp import load_tensors, read_info, write_model_checkpoint
 from titanlite.errors import ConfigError
-from titanlite.checkpoint.hf import check_hf_config, read_config, read_safetensors, write_hf_folder
+from titanlite.checkpoint.hf import write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 FORMATS = ("dcp", "hf", "torch")
@@ -70,11 +71,10 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         write_hf_folder(dst_path, adapter.to_hf(sd, args), adapter.config_to_hf(args, out_dtype),
                         max_shard_bytes=int(max_shard_gb * 2**30))
     elif (src_format, dst_format) == ("hf", "dcp"):
-        spec = get_model_spec(model)
-        adapter = _adapter(spec)
-        args = adapter.args_from_hf(read_config(src_path))
-        check_hf_config(adapter, src_path, args)  # the folder's activation is the one this family computes
-        write_model_checkpoint(dst_path, cast(adapter.from_hf(read_safetensors(src_path), args)), spec.name, args)
+        # load_hf checks the folder against what the family computes (its activation) and seeds,
+        # saying so in one line, a weight group transformers never saves (DeepSeek-V3's MTP depth)
+        net, args = titanlite.load_hf(src_path, model)
+        write_model_checkpoint(dst_path, cast(net.state_dict()), model, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
         _, _, sd = _read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
