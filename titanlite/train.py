@@ -30,7 +30,7 @@ from titanlite.layers import init
 from titanlite.layers.attention import AttnContext
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config.job import JobConfig
-from titanlite.data.loader import build_dataloader
+from titanlite.data.loader import build_dataloader, ignored_keys_note
 from titanlite.errors import ConfigError, RunError
 from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
@@ -152,6 +152,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
+        if ignored_keys_note(cfg.data):
+            print(ignored_keys_note(cfg.data), file=sys.stderr, flush=True)
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)

@@ -212,6 +212,15 @@ def check_config(cfg: JobConfig) -> None:
             raise ConfigError(f"{key} must be >= 0, got {val}")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    # more workers than CPUs only adds processes and memory (the fuzzer's 99999999999 was SIGKILLed)
+    if cfg.data.num_workers > (os.cpu_count() or 1):
+        raise ConfigError(f"data.num_workers {cfg.data.num_workers} is more than this machine's "
+                          f"{os.cpu_count()} CPUs; use at most that many")
+    # checked even while pipelining is off: a negative count is a mistake whatever the layout
+    for key in ("layers_per_stage", "first_stage_less_layers", "last_stage_less_layers"):
+        if getattr(p, f"pipeline_parallel_{key}") < 0:
+            raise ConfigError(f"parallelism.pipeline_parallel_{key} must be >= 0, "
+                              f"got {getattr(p, f'pipeline_parallel_{key}')}")
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
     _choice("optimizer.name", cfg.optimizer.name, ("AdamW", "Muon"))
