@@ -146,7 +146,7 @@ def test_a_rank_that_raises_a_bug_reports_its_own_line(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "train", bug)
     with pytest.raises(KeyError):
         trainer.main([*TINY, "--job.dump_folder", str(tmp_path / "dump")])
-    report = json.loads((tmp_path / "rank-0.json").read_text())
+    report = json.loads((tmp_path / "attempt-0" / "rank-0.json").read_text())
     line = "titanlite: error: KeyError: 'optimizer.state.output.weight.step' (unexpected; the traceback is in rank 0's"
     assert report["code"] == 1 and report["line"].startswith(line), report
     # rank 1 ended by torchrun's SIGTERM afterwards: rank 0's line is the run's

@@ -24,7 +24,7 @@ from titanlite.config import load as config_load
 
 from titanlite.runtime import fault
 
-from titanlite.runtime import gc_control
+from titanlite.runtime import gc_control, restart
 
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext
@@ -138,6 +138,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
+    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     stop_line = None

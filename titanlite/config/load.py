@@ -15,7 +15,7 @@ import os
 import typing
 from pathlib import Path
 
-from titanlite.config.job import MUON_GROUPS, Data, JobConfig, Validation
+from titanlite.config.job import MUON_GROUPS, Checkpoint, Data, JobConfig, Validation
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -275,6 +275,7 @@ def check_config(cfg: JobConfig) -> None:
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
+    _check_restarts(cfg.fault_tolerance.max_restarts, c)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
@@ -283,6 +284,19 @@ def check_config(cfg: JobConfig) -> None:
     _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
+
+
+def _check_restarts(max_restarts: int, c: Checkpoint) -> None:
+    if max_restarts < 0:
+        raise ConfigError(f"fault_tolerance.max_restarts must be >= 0, got {max_restarts}")
+    if max_restarts and not c.enable:
+        raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} needs checkpoint.enable = true: a restart "
+                          "resumes from the newest checkpoint, and without one would start over")
+    if max_restarts and c.load_step != -1:
+        # going back to load_step after a failure would redo (and re-save) every step since
+        raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} with checkpoint.load_step {c.load_step}: a "
+                          "restart resumes from the newest checkpoint, not a fixed step; resume from it once with "
+                          "max_restarts 0, or move the checkpoints after it away and leave load_step at -1")
 
 
 def _check_data(d: Data, v: Validation) -> None:

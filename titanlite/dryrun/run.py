@@ -394,7 +394,8 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: in
     if floor > 1.1 * limit and cfg.job.memory_check == "error":
         what_model = (f"model.vocab_size {cfg.model.vocab_size}" if cfg.model.vocab_size
                       else f"model.flavor {cfg.model.flavor}")
-        raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.flavor}): {n_params:,} parameters need at least {floor:,.0f} GiB per rank "
+        raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.flavor}): {n_params:,} parameters need at "
+                          f"least {floor:,.0f} GiB per rank "
                           f"(weights, gradients and one optimizer state, sharded over all {world_size} ranks), "
                           f"more than {limit:.2f} GiB ({what}); use a smaller model or more ranks")
     est, _ = estimate(cfg, world_size, train_device(cfg))
