@@ -154,8 +154,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
-        if ignored_keys_note(cfg.data):
-            print(ignored_keys_note(cfg.data), file=sys.stderr, flush=True)
+        if note := ignored_keys_note(cfg.data):
+            print(note, file=sys.stderr, flush=True)
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
