@@ -196,6 +196,8 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
                                  preexec_fn=_die_with_parent)
         if signals:  # arrived while it was starting
             _forward(agent, signals[0])
+            if restarts:
+                _end_agent(agent)
         killed_at, refused = None, False
         while agent.poll() is None:
             time.sleep(0.1)
