@@ -88,6 +88,12 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "log_freq_zero": (["--metrics.log_freq", "0"], {}, "metrics.log_freq must be >= 1"),
         "holdout_one": (["--data.holdout_fraction", "1.0"], {}, "data.holdout_fraction must be in [0, 1)"),
         "workers_negative": (["--data.num_workers", "-1"], {}, "data.num_workers must be >= 0"),
+        "workers_above_cpus": (["--data.num_workers", "99999999999"], {}, "data.num_workers 99999999999 is more than"),
+        # checked with pipelining off too
+        "pp_layers_negative": (["--parallelism.pipeline_parallel_layers_per_stage", "-2"], {},
+                               "parallelism.pipeline_parallel_layers_per_stage must be >= 0, got -2"),
+        "pp_less_layers_negative": (["--parallelism.pipeline_parallel_last_stage_less_layers", "-1"], {},
+                                    "parallelism.pipeline_parallel_last_stage_less_layers must be >= 0, got -1"),
         "train_timeout_zero": (["--comm.train_timeout_s", "0"], {}, "comm.train_timeout_s must be >= 1"),
         "shutdown_timeout_zero": (["--job.shutdown_timeout_s", "0"], {}, "job.shutdown_timeout_s must be >= 1"),
         "max_skipped_negative": (["--training.max_skipped_steps", "-1"], {}, "training.max_skipped_steps must be >= 0"),
@@ -126,6 +132,8 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "seq_len_past_rope": (["--training.seq_len", "200000"], {},
                               "training.seq_len 200000 exceeds llama3 debugmodel's max_seq_len"),
         "vocab_below_tokenizer": (["--model.vocab_size", "100"], {}, "set model.vocab_size >= 259"),
+        # its parameters alone cannot fit: refused before the dry run traces it (ran for minutes)
+        "vocab_too_large": (["--model.vocab_size", "99999999999"], {}, "model.vocab_size 99999999999 (llama3 "),
         "ngpu_zero": ([], {"NGPU": "0"}, "NGPU must be a positive integer, got '0'"),
         "ngpu_text": ([], {"NGPU": "two"}, "NGPU must be a positive integer, got 'two'"),
         # missing or broken files and folders
@@ -198,7 +206,8 @@ def _run(args: list[str], env: dict[str, str], dump: str) -> Outcome:
 # path as the typos and wrong types launched above. Checked in process: a launch costs a Python
 # start and a torch import (about 3 CPU seconds each) and shows nothing these do not.
 IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero", "lr_zero", "lr_negative",
-              "log_freq_zero", "holdout_one", "workers_negative", "train_timeout_zero", "shutdown_timeout_zero",
+              "log_freq_zero", "holdout_one", "workers_negative", "workers_above_cpus", "pp_layers_negative",
+              "pp_less_layers_negative", "train_timeout_zero", "shutdown_timeout_zero",
               "max_skipped_negative", "lr_nan", "precision", "ac_mode", "reshard", "adamw_impl", "muon_group",
               "muon_momentum", "muon_ns_steps", "on_nonfinite", "tp_zero", "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
@@ -207,7 +216,7 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
 # Refused by the trainer's preflight, the launcher's second process (each a torch import,
 # about 6 CPU seconds): run through that process's main in this one.
 PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_world", "global_batch_indivisible",
-             "seq_len_past_rope", "vocab_below_tokenizer", "no_cuda", "tokenizer_corrupt", "dump_folder_is_file",
+             "seq_len_past_rope", "vocab_below_tokenizer", "vocab_too_large", "no_cuda", "tokenizer_corrupt", "dump_folder_is_file",
              "dump_folder_under_file", "pp_above_blocks", "pp_schedule_unknown", "pp_microbatch_indivisible",
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",

@@ -93,6 +93,22 @@ def test_shards_read_as_one_stream(tmp_path, monkeypatch):
                 batches(Data(path=str(tmp_path / "tk"), **kw), BYTE, 4, D=2, L=4))
 
 
+def test_a_key_the_source_ignores_gets_a_warning(tmp_path):
+    """The trainer's rank 0 prints this line at start-up: a token folder reads no split or text
+    field, a .jsonl file no split; keys left at their defaults say nothing."""
+    from titanlite.data.loader import ignored_keys_note
+    from titanlite.tools import tokenize as tool
+
+    corpus = write_jsonl(tmp_path / "docs.jsonl", 20)
+    tool.tokenize(["--data.path", str(corpus)], str(tmp_path / "tk"), workers=1, shard_tokens=1000)
+    note = ignored_keys_note(Data(path=str(tmp_path / "tk"), split="validation", text_field="body"))
+    assert note == (f"titanlite: warning: data.split = 'validation', data.text_field = 'body': ignored by this "
+                    f"run's data source, '{tmp_path / 'tk'}'; leave them out or check data.path")
+    assert ignored_keys_note(Data(path=str(tmp_path / "tk"))) is None
+    assert ignored_keys_note(Data(path=str(corpus), text_field="body")) is None  # a .jsonl reads its field
+    assert ignored_keys_note(Data(path=str(corpus), split="x")).startswith("titanlite: warning: data.split = 'x': ")
+
+
 def test_token_folder_refusals(tmp_path, hf_folder):  # noqa: F811
     from titanlite.config.preflight import preflight
 

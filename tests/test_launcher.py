@@ -63,6 +63,8 @@ def no_process_left(proc: subprocess.Popen) -> bool:
 def test_stop_signal_saves_the_step_and_exits_0_with_the_stop_line_last(tmp_path, how):
     dump = tmp_path / "dump"
     args = [*TINY, "--training.steps", "400", "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
+    if how == "ctrl_c":  # with restarts on, the launcher also ends torchrun: a stop is never restarted
+        args += ["--fault_tolerance.max_restarts", "1"]
     with run_sh(args, dump) as (proc, out):
         wait_for_step(proc, dump, 2)
         if how == "ctrl_c":  # a terminal signals its whole foreground process group
@@ -146,7 +148,7 @@ def test_a_rank_that_raises_a_bug_reports_its_own_line(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "train", bug)
     with pytest.raises(KeyError):
         trainer.main([*TINY, "--job.dump_folder", str(tmp_path / "dump")])
-    report = json.loads((tmp_path / "rank-0.json").read_text())
+    report = json.loads((tmp_path / "attempt-0" / "rank-0.json").read_text())
     line = "titanlite: error: KeyError: 'optimizer.state.output.weight.step' (unexpected; the traceback is in rank 0's"
     assert report["code"] == 1 and report["line"].startswith(line), report
     # rank 1 ended by torchrun's SIGTERM afterwards: rank 0's line is the run's

@@ -24,13 +24,13 @@ from titanlite.config import load as config_load
 
 from titanlite.runtime import fault
 
-from titanlite.runtime import gc_control
+from titanlite.runtime import gc_control, restart
 
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config.job import JobConfig
-from titanlite.data.loader import build_dataloader
+from titanlite.data.loader import build_dataloader, ignored_keys_note
 from titanlite.errors import ConfigError, RunError
 from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
@@ -138,6 +138,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
+    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     stop_line = None
@@ -152,6 +154,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
+        if note := ignored_keys_note(cfg.data):
+            print(note, file=sys.stderr, flush=True)
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)

@@ -232,6 +232,22 @@ def resume_step(cfg: Checkpoint, root: Path, warn: bool = True) -> int | None:
     return cfg.load_step
 
 
+class _ReadError(Exception):
+    """A checkpoint's files failed to read (every rank raises it: DCP gathers the failures)."""
+
+
+def _read(states: dict[str, Any], path: Path) -> None:
+    """dcp.load, its failures (a truncated or missing shard) as one _ReadError. Stateful pieces
+    change only once everything was read; tensors read in place are all overwritten by the next
+    checkpoint that loads."""
+    try:
+        dcp.load(states, checkpoint_id=str(path))
+    except ConfigError:  # a piece refused what it read (another data order): no fallback
+        raise
+    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+        raise _ReadError(_reason(e).split(". ")[0]) from None  # torch's advice after the first sentence
+
+
 # ---- the manager -------------------------------------------------------------------
 
 class CheckpointManager:
@@ -252,6 +268,9 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.pending: tuple[Path, Path, dict, Any] | None = None
         self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
+        self.resumed_from: int | None = None
+        """The step folder this run loaded: keep_latest_k never deletes it (its successors
+        have not been read back yet)."""
         self.pg = self.stager = None
         if cfg.enable and cfg.async_mode == "async":
             # the writer thread runs its own collectives; they must not interleave with training's
@@ -268,14 +287,16 @@ class CheckpointManager:
 
     # -- loading --
 
-    def _pick_step(self) -> int | None:
+    def _candidates(self) -> list[int]:
+        """The steps to try, newest first: checkpoint.load_step alone, else every complete one.
+        Rank 0 decides for all, even if the folder changes under us."""
         choice: list[Any] = [None]
         if self.rank == 0:
             try:
-                choice = [resume_step(self.cfg, self.root)]
+                choice = [[resume_step(self.cfg, self.root)] if self.cfg.load_step != -1 else complete_steps(self.root)]
             except ConfigError as e:
                 choice = [e]
-        dist.broadcast_object_list(choice, src=0)  # one decision, even if the folder changes under us
+        dist.broadcast_object_list(choice, src=0)
         if isinstance(choice[0], ConfigError):
             raise choice[0]
         return choice[0]
@@ -289,12 +310,35 @@ class CheckpointManager:
         return step
 
     def _load(self) -> int:
-        step = self._pick_step() if self.cfg.enable else None
-        if step is None:
+        """The newest checkpoint that loads. One whose files fail to read (a truncated or missing
+        shard) is passed over with a warning for the one before it, unless checkpoint.load_step
+        names it: a step asked for is never swapped for another."""
+        candidates = self._candidates() if self.cfg.enable else []
+        if not candidates:
             if self.cfg.initial_load_path:
                 self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
             return 0
-        path = self.root / f"step-{step}"
+        failed = []
+        for i, step in enumerate(candidates):
+            path = self.root / f"step-{step}"
+            try:
+                loaded = self._load_step(path)
+            except _ReadError as e:
+                failed.append(f"{path.name} ({e})")
+                if self.cfg.load_step != -1:
+                    raise ConfigError(f"checkpoint.load_step {step}: {path} failed to load ({e}); pick another "
+                                      "step, or leave load_step at -1 to resume from the newest that loads") from None
+                if i + 1 < len(candidates):
+                    _warn(f"checkpoint {path} failed to load ({e}); falling back to "
+                          f"{self.root}/step-{candidates[i + 1]}")
+                continue
+            self.resumed_from = step
+            return loaded
+        raise ConfigError(f"checkpoint: no checkpoint in {self.root} loads: {'; '.join(failed)}; move the broken "
+                          "ones away to start afresh")
+
+    def _load_step(self, path: Path) -> int:
+        """Load one step folder; its reading failures (files, not config) raise _ReadError."""
         if read_info(path).get("model_only"):
             self._load_model_only(path)
             if self.rank == 0:
@@ -305,7 +349,7 @@ class CheckpointManager:
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
-        dcp.load(states, checkpoint_id=str(path))
+        _read(states, path)
         if self.rank == 0:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
         return self.train_state.step
@@ -319,11 +363,14 @@ class CheckpointManager:
 
     def _load_model_only(self, path: Path) -> None:
         self._check_saved(path)
-        dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+        _read({"model": self.states["model"]}, path)
 
     def _initial_load(self, path: Path, fmt: str) -> None:
         if fmt == "dcp":
-            self._load_model_only(path)
+            try:
+                self._load_model_only(path)
+            except _ReadError as e:
+                raise ConfigError(f"checkpoint.initial_load_path: {path} failed to load ({e})") from None
         else:
             adapter = self.spec.hf
             if adapter is None:
@@ -437,7 +484,8 @@ class CheckpointManager:
         steps = sorted((int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)),
                        reverse=True)
         for step in steps[self.cfg.keep_latest_k:]:
-            shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
+            if step != self.resumed_from:
+                shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
     def close(self) -> None:
         """Wait until the last save is written and committed, on every rank."""

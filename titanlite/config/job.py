@@ -177,9 +177,11 @@ class Checkpoint:
     interval: int = 500
     """Save every N optimizer steps; the final step is always saved."""
     keep_latest_k: int = 0
-    """Keep only the newest K complete checkpoints; 0 keeps all."""
+    """Keep only the newest K complete checkpoints, and the one this run resumed from (the last
+    known to load); 0 keeps all."""
     load_step: int = -1
-    """Resume from this step's checkpoint; -1 means the latest complete one."""
+    """Resume from this step's checkpoint (refused if it fails to load); -1 means the newest
+    complete one that loads, passing over (with a warning) any whose files fail to read."""
     async_mode: str = "disabled"
     """disabled (block until written) or async (write in a background thread; training
     waits only for the in-memory copy before the next optimizer step)."""
@@ -198,6 +200,15 @@ class Checkpoint:
     on_save_error: str = "stop"
     """A save that fails (full disk, unwritable folder): stop (exit 1) or continue training
     without it. Either way the previous checkpoint is kept and the partial one removed."""
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    max_restarts: int = 0
+    """After a rank fails (a crash, a kill, a failed collective, a hang: exit 1 or 124; never a
+    bad config), run_train.sh's torchrun restarts every rank up to this many times, and the run
+    resumes from the newest checkpoint that loads (needs checkpoint.enable). Each restart is a
+    line, a row of <dump_folder>/restarts.jsonl and the TensorBoard scalar train/restarts."""
 
 
 @dataclass(frozen=True)
@@ -342,6 +353,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     metrics: Metrics = field(default_factory=Metrics)
     data: Data = field(default_factory=Data)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

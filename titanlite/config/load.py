@@ -15,7 +15,7 @@ import os
 import typing
 from pathlib import Path
 
-from titanlite.config.job import MUON_GROUPS, Data, JobConfig, Validation
+from titanlite.config.job import MUON_GROUPS, Checkpoint, Data, JobConfig, Validation
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -212,6 +212,15 @@ def check_config(cfg: JobConfig) -> None:
             raise ConfigError(f"{key} must be >= 0, got {val}")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
+    # more workers than CPUs only adds processes and memory (the fuzzer's 99999999999 was SIGKILLed)
+    if cfg.data.num_workers > (os.cpu_count() or 1):
+        raise ConfigError(f"data.num_workers {cfg.data.num_workers} is more than this machine's "
+                          f"{os.cpu_count()} CPUs; use at most that many")
+    # checked even while pipelining is off: a negative count is a mistake whatever the layout
+    for key in ("layers_per_stage", "first_stage_less_layers", "last_stage_less_layers"):
+        if getattr(p, f"pipeline_parallel_{key}") < 0:
+            raise ConfigError(f"parallelism.pipeline_parallel_{key} must be >= 0, "
+                              f"got {getattr(p, f'pipeline_parallel_{key}')}")
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
     _choice("optimizer.name", cfg.optimizer.name, ("AdamW", "Muon"))
@@ -266,6 +275,7 @@ def check_config(cfg: JobConfig) -> None:
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
+    _check_restarts(cfg.fault_tolerance.max_restarts, c)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
@@ -274,6 +284,19 @@ def check_config(cfg: JobConfig) -> None:
     _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
+
+
+def _check_restarts(max_restarts: int, c: Checkpoint) -> None:
+    if max_restarts < 0:
+        raise ConfigError(f"fault_tolerance.max_restarts must be >= 0, got {max_restarts}")
+    if max_restarts and not c.enable:
+        raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} needs checkpoint.enable = true: a restart "
+                          "resumes from the newest checkpoint, and without one would start over")
+    if max_restarts and c.load_step != -1:
+        # going back to load_step after a failure would redo (and re-save) every step since
+        raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} with checkpoint.load_step {c.load_step}: a "
+                          "restart resumes from the newest checkpoint, not a fixed step; resume from it once with "
+                          "max_restarts 0, or move the checkpoints after it away and leave load_step at -1")
 
 
 def _check_data(d: Data, v: Validation) -> None:

@@ -23,7 +23,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
-from titanlite.data.sources import is_token_folder, parse_mix, probe_source, read_documents, source_name
+from titanlite.data.sources import (is_token_folder, parse_mix, probe_source, read_documents, source_name,
+                                    unread_keys)
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder, read_index
 
@@ -238,6 +239,19 @@ def probe_data(data: Data, val: Validation) -> None:
             read_index(path)  # finished and whole; the tokenizer is checked where it is opened
         else:
             probe_source(path, data.text_field, split)
+
+
+def ignored_keys_note(data: Data) -> str | None:
+    """A warning naming each data key set away from its default that no source of the run reads
+    (a token folder has no split or text field), or None."""
+    paths = [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]
+    unread = set.intersection(*(unread_keys(p) for p in paths))
+    keys = [k for k in ("split", "text_field") if k in unread and getattr(data, k) != getattr(Data(), k)]
+    if not keys:
+        return None
+    what = "any source of data.mix" if data.mix else f"this run's data source, {source_name(data.path)}"
+    return (f"titanlite: warning: {', '.join(f'data.{k} = {getattr(data, k)!r}' for k in keys)}: ignored by "
+            f"{what}; leave {'them' if len(keys) > 1 else 'it'} out or check data.path")
 
 
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,

@@ -124,6 +124,16 @@ def is_token_folder(path: str) -> bool:
     return bool(path) and p.is_dir() and ((p / TOKEN_INDEX).is_file() or any(p.glob("tokens-*.bin")))
 
 
+def unread_keys(path: str) -> set[str]:
+    """The data keys a source never reads: `split` and `text_field` of a token folder or the
+    embedded source, `split` of local files (and `text_field` where they are all .txt)."""
+    if not path or is_token_folder(path):
+        return {"split", "text_field"}
+    if path.startswith("hf:") or _is_hf_disk(Path(path)):
+        return set()
+    return {"split"} | ({"text_field"} if all(f.suffix == ".txt" for f in _files(Path(path))) else set())
+
+
 def _check_column(ds, path: str, field: str) -> None:
     names = ds.column_names
     if names is not None and field not in names:  # None: a streamed source whose schema is unknown yet

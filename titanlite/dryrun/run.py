@@ -378,13 +378,27 @@ def device_limit_gib(local_ranks: int) -> tuple[float, str]:
     return avail / GIB / local_ranks, f"available host memory / {local_ranks} local rank(s)"
 
 
-def check_memory(cfg: JobConfig, world_size: int, local_ranks: int) -> None:
+# fp32 weights, their gradients and at least one optimizer state (Muon's momentum; AdamW keeps two)
+MIN_BYTES_PER_PARAM = 12
+
+
+def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: int) -> None:
     """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate
-    exceeds what this machine has by more than 10%."""
+    exceeds what this machine has by more than 10%. A model whose parameters alone cannot fit,
+    even sharded over every rank, is refused before the dry run, which would trace it for minutes
+    (a 10^11-row vocabulary)."""
     if cfg.job.memory_check == "off":
         return
-    est, _ = estimate(cfg, world_size, train_device(cfg))
     limit, what = device_limit_gib(local_ranks)
+    floor = n_params * MIN_BYTES_PER_PARAM / world_size / GIB
+    if floor > 1.1 * limit and cfg.job.memory_check == "error":
+        what_model = (f"model.vocab_size {cfg.model.vocab_size}" if cfg.model.vocab_size
+                      else f"model.flavor {cfg.model.flavor}")
+        raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.flavor}): {n_params:,} parameters need at "
+                          f"least {floor:,.0f} GiB per rank "
+                          f"(weights, gradients and one optimizer state, sharded over all {world_size} ranks), "
+                          f"more than {limit:.2f} GiB ({what}); use a smaller model or more ranks")
+    est, _ = estimate(cfg, world_size, train_device(cfg))
     if est.total / GIB <= 1.1 * limit:
         return
     msg = (f"the estimated per-rank peak {est.total / GIB:.2f} GiB (during {est.phase}) exceeds {limit:.2f} GiB "
@@ -447,8 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         if opts["check_memory"] is not None:
             # run_train.sh's whole pre-launch check in one process: the trainer's own preflight
             # of the job as given, then the memory estimate
-            preflight(cfg, int(opts["ngpu"]))
-            check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]))
+            plan = preflight(cfg, int(opts["ngpu"]))
+            check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]), plan.n_params)
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
         rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full", False)), gpu)

@@ -248,4 +248,11 @@ def init_process_group(device: torch.device, timeout_s: int) -> None:
         # a lone `python -m titanlite.train` (no torchrun) is a world of one; an in-memory
         # store, so that two such runs on one machine never race for a port
         kwargs |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        # torchrun restarted the ranks, and its store still holds the failed attempt's keys
+        # (the dead ranks' addresses, which gloo would dial): a namespace per attempt
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        kwargs |= {"store": dist.PrefixStore(f"titanlite-attempt-{attempt}", store), "rank": rank,
+                   "world_size": world_size}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
 from titanlite.runtime.launch import last_word
+from titanlite.runtime.restart import fired_faults, note_fired
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
@@ -65,6 +66,11 @@ def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
             raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected {'|'.join(FAULT_KINDS)}@STEP[:RANK]")
         faults.add((kind, int(step), int(rank) if rank else None))
     return faults
+
+
+def _spec(fault: tuple[str, int, int | None]) -> str:
+    kind, step, rank = fault
+    return f"{kind}@{step}" + ("" if rank is None else f":{rank}")
 
 
 def enable_flight_recorder(dump_folder: str) -> None:
@@ -113,7 +119,9 @@ class Guard:
         self._comm_key: str | None = None
         self.shutdown_timeout_s = shutdown_timeout_s
         self.hang_folder = Path(dump_folder) / "hang"
-        self.faults = parse_faults(os.environ.get("TITANLITE_FAULTS", ""))
+        # once per launch: not again in an attempt torchrun restarted (titanlite.runtime.restart)
+        fired = fired_faults()
+        self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if _spec(f) not in fired}
         self.step = start_step
         """The step running now, or the last one completed."""
         self.first_step = start_step + 1
@@ -209,7 +217,10 @@ class Guard:
             threading.Event().wait()
 
     def _injected(self, kind: str) -> bool:
-        return (kind, self.step, self.rank) in self.faults or (kind, self.step, None) in self.faults
+        fault = next((f for f in [(kind, self.step, self.rank), (kind, self.step, None)] if f in self.faults), None)
+        if fault is not None:
+            note_fired(_spec(fault))
+        return fault is not None
 
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if self._injected("nan") else loss

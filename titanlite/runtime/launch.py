@@ -17,6 +17,12 @@ into a 30-line report and exit 1, whatever the rank said. Here:
 * A rank that reported success and then died tearing down its process group (gloo sometimes
   aborts there) has finished: that exit status is ignored. A rank that failed without a report
   (a crash, the OOM killer) fails the run.
+* With fault_tolerance.max_restarts, torchrun's elastic agent restarts every rank after a
+  failure (`--max-restarts`); each attempt reports in a folder of its own (attempt-K, K from
+  TORCHELASTIC_RESTART_COUNT) and the run ends with the last attempt's verdict. A bad config
+  (exit 2) would fail the same way again: at its report the launcher stops torchrun before it
+  restarts anything. So does a stop signal (the ranks stop and save as above; torchrun must not
+  restart a rank that then fails).
 """
 
 from __future__ import annotations
@@ -38,15 +44,32 @@ REPORT_DIR_ENV = "TITANLITE_REPORT_DIR"
 KILL_AFTER_SECOND_SIGINT_S = 10  # a rank blocked in native code cannot run its handler
 
 
+def attempt() -> int:
+    """How many times torchrun has restarted this job's ranks (0: the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def attempt_folder(k: int) -> Path | None:
+    """Where the ranks of attempt k leave their reports; None outside the launcher."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    return Path(folder, f"attempt-{k}") if folder else None
+
+
+def read_reports(folder: Path) -> dict[int, dict]:
+    """{rank: {"code", "line", "time"}} of the ranks that reported in one attempt's folder."""
+    return {int(p.stem[5:]): json.loads(p.read_text()) for p in folder.glob("rank-*.json")}
+
+
 def last_word(rank: int, code: int, line: str | None) -> None:
     """A rank's outcome: its exit code and the line that should end the run's output (None:
     nothing to say). Under the launcher it is left for the launcher to print after torchrun's
     teardown; otherwise rank 0's line, and any rank's error, is printed now."""
-    folder = os.environ.get(REPORT_DIR_ENV)
+    folder = attempt_folder(attempt())
     if folder:
-        path = Path(folder, f"rank-{rank}.json")
+        path = folder / f"rank-{rank}.json"
         tmp = path.with_suffix(".tmp")
         with contextlib.suppress(OSError):  # then say it here rather than not at all
+            folder.mkdir(exist_ok=True)
             tmp.write_text(json.dumps({"code": code, "line": line, "time": time.time()}))
             os.replace(tmp, path)
             return
@@ -70,6 +93,13 @@ def _forward(agent: subprocess.Popen, signum: int) -> None:
     for pid in _ranks_of(agent.pid) or [agent.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+
+
+def _end_agent(agent: subprocess.Popen) -> None:
+    """Stop torchrun itself: it ends its ranks (SIGTERM, then SIGKILL 30 s later) and exits
+    without restarting them."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(agent.pid, signal.SIGTERM)
 
 
 def _die_with_parent() -> None:
@@ -125,10 +155,23 @@ def _verdict(reports: dict[int, dict], result: dict | None, signals: list[int], 
     return 0, lines[0] if lines else None
 
 
+def _final_attempt(folder: Path) -> tuple[int, dict[int, dict]]:
+    """The attempt that decides the run and its reports: the one that refused the config (exit
+    2), else the last that reported."""
+    attempts = sorted((int(p.name[8:]), read_reports(p)) for p in folder.glob("attempt-*"))
+    refused = [(k, reports) for k, reports in attempts if any(r["code"] == 2 for r in reports.values())]
+    if refused:
+        return refused[0]
+    return attempts[-1] if attempts else (0, {})
+
+
 def launch(torchrun_args: list[str], train_args: list[str]) -> int:
     from titanlite.config import load as config_load
 
     cfg, _ = config_load.load(train_args)  # run_train.sh has checked it already
+    restarts = cfg.fault_tolerance.max_restarts
+    if restarts and _option(torchrun_args, "--max-restarts") is None:
+        torchrun_args = [f"--max-restarts={restarts}", *torchrun_args]
     node = _option(torchrun_args, "--node_rank")  # given only to multi-node launches
     log = Path(cfg.job.dump_folder, "logs", "torchrun.log" if node is None else f"torchrun-node{node}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +185,8 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
         # schedulers send) change nothing
         if agent is not None and (len(signals) == 1 or signals.count(signal.SIGINT) == 2 == len(signals)):
             _forward(agent, signum)
+            if restarts and len(signals) == 1:
+                _end_agent(agent)  # it stops the ranks its own way too, and restarts none
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -151,19 +196,27 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
                                  preexec_fn=_die_with_parent)
         if signals:  # arrived while it was starting
             _forward(agent, signals[0])
-        killed_at = None
+            if restarts:
+                _end_agent(agent)
+        killed_at, refused = None, False
         while agent.poll() is None:
             time.sleep(0.1)
+            if restarts and not refused and any(r["code"] == 2 for p in folder.glob("attempt-*")
+                                                for r in read_reports(p).values()):
+                refused = True  # a bad config fails again on every attempt: no restart
+                _end_agent(agent)
             if signals.count(signal.SIGINT) >= 2:
                 killed_at = killed_at or time.monotonic() + KILL_AFTER_SECOND_SIGINT_S
                 if time.monotonic() > killed_at:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(agent.pid, signal.SIGKILL)
-        reports = {int(p.stem[5:]): json.loads(p.read_text()) for p in folder.glob("rank-*.json")}
+        k, reports = _final_attempt(folder)
         result_path = folder / "agent.json"
         result = json.loads(result_path.read_text()) if result_path.exists() else None
         nproc = int(_option(torchrun_args, "--nproc_per_node") or 1)
         code, line = _verdict(reports, result, signals, nproc, log)
+        if code and k:
+            line += f" (after {k} restart{'s' if k > 1 else ''}; fault_tolerance.max_restarts {restarts})"
         if line:
             print(line, file=sys.stderr if code else sys.stdout, flush=True)
         return code
