@@ -112,6 +112,45 @@ def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
     assert run.metrics[-1]["step"] == 3
 
 
+# -- loss spikes and stragglers (one pair of 2-rank launches, plus a resume) ----------------
+
+SPIKY = [*TINY, "--training.steps", "15", "--metrics.log_freq", "4"]
+
+
+def test_a_spike_is_skipped_as_a_nan_and_a_slow_rank_is_named(tmp_path):
+    # spike@11 on rank 1 scales its loss: only the all-reduced loss shows it, so both ranks must
+    # judge it from the same window. Step 11 logs nothing: its verdict is read a step late.
+    spiky = [*SPIKY, "--training.on_spike", "skip", "--training.spike_window", "5", *CKPT,
+             "--checkpoint.interval", "10", "--metrics.straggler_ratio", "1.2", "--metrics.straggler_logs", "2"]
+    (tmp_path / "spike").mkdir()
+    ranks = spawn(2, spiky, tmp_path / "spike", faults="spike@11:1,slow@8:1")
+    (tmp_path / "nan").mkdir()
+    nan = spawn(2, [*SPIKY, "--training.on_nonfinite", "skip"], tmp_path / "nan", faults="nan@11:1")
+    assert ranks.wait() == [0, 0], [ranks.log(0), ranks.log(1)]
+    assert nan.wait() == [0, 0], nan.log(0)
+    rows, nan_rows = ranks.metrics(), nan.metrics()
+    assert [m["step"] for m in rows] == [m["step"] for m in nan_rows] == [1, 4, 8, 12, 15]
+    # bit for bit: a skipped spike leaves the weights, moments and data as a skipped NaN does
+    assert [(m["loss"], m["grad_norm"], m["skipped_steps"]) for m in rows] == [
+        (m["loss"], m["grad_norm"], m["skipped_steps"]) for m in nan_rows]
+    assert [m["spike_steps"] for m in rows] == [0, 0, 0, 1, 1] and "spike_steps" not in nan_rows[0]
+    assert "step 11: loss or gradient norm over training.spike_sigmas (6) standard deviations" in ranks.log(0)
+    # rank 1 sleeps in every step from 8: named on steps 8, 12 and 15, warned once, at the 2nd log over
+    assert [m["straggler_rank"] for m in rows[2:]] == [1, 1, 1], rows
+    assert all(m["straggler_ratio"] > 1.2 and m["straggler_host"] for m in rows[2:])
+    assert "straggler_ratio" not in nan_rows[0]
+    (warning,) = [line for line in ranks.log(0).splitlines() if "is a straggler" in line]
+    assert warning.startswith("titanlite: warning: step 12: rank 1 on ") and "for 2 logs in a row" in warning
+    # the window is part of the checkpoint: resumed at step 10, the spike at 11 is judged as before
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    (tmp_path / "spike" / "checkpoint" / "step-10").rename(resumed / "checkpoint" / "step-10")
+    again = spawn(2, [*spiky, "--metrics.straggler_ratio", "0"], resumed, faults="spike@11:1")
+    assert again.wait() == [0, 0], again.log(0)
+    assert [(m["step"], m["loss"], m["spike_steps"]) for m in again.metrics()] == [
+        (m["step"], m["loss"], 1) for m in rows[3:]]
+
+
 # A signal read late (arrived in step 3, read during step 4) makes step 4 the last: it must
 # read its own verdict at once, or a NaN there would be saved without a word.
 LATE_STOP = """

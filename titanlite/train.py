@@ -44,6 +44,7 @@ from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
 from titanlite.config.preflight import Plan, param_dtype, preflight
 from titanlite.runtime.profiling import Profiler
+from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.step import PlainStep
 from titanlite.data.validation import Validator
 
@@ -135,6 +136,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
+    window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
+    if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
+        ckpt.states["spike_window"] = window
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
@@ -144,7 +148,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     peak_flops = device_peak_flops(device)
     stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
-                  set_comm_timeout=meshes.groups.set_timeout)
+                  set_comm_timeout=meshes.groups.set_timeout, window=window)
+    stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
+                  if cfg.metrics.straggler_ratio > 0 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups (a tied pipeline's pairs)
@@ -182,8 +188,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         reduce_partial_grads(params)
         logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
         # the host reads a step's verdict late unless it syncs anyway (log, save) or must
+        once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
+        share = None if window is None else (out.loss_sum if once else torch.zeros_like(out.loss_sum)) / out.n_targets
         grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(norm_params, meshes.stage_ranks),
-                                        read_now=logs or ckpt.due(step) or not fused_optimizer)
+                                        read_now=logs or ckpt.due(step) or not fused_optimizer, loss_share=share)
         if t.max_norm > 0:
             for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
                 torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, grad_norm, foreach=True)
@@ -206,7 +214,6 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             # the loss and every extra term in one collective over all ranks: tp ranks hold the
             # same loss sum (counted once), but extra terms over the tokens each rank routed
             # (a MoE layer's tp ranks route different sequence shards)
-            once = meshes.tp.get_local_rank() == 0
             sums = torch.stack([out.loss_sum if once else torch.zeros_like(out.loss_sum),
                                 *(out.extra_losses.get(n, torch.zeros_like(out.loss_sum))
                                   if once or n not in plan.spec.tp_replicated_losses else torch.zeros_like(out.loss_sum)
@@ -222,7 +229,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                                "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped,
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
                                **dict(zip(plan.spec.extra_losses, values[1:])),
-                               **{k: float(v) for k, v in scalars.items()}},
+                               **{k: float(v) for k, v in scalars.items()},
+                               **({} if window is None else {"spike_steps": guard.spikes}),
+                               **({} if stragglers is None else stragglers.report(step, guard.own_s))},
                         eta)
             last_log, last_log_step = now, step
         if guard.stop:

@@ -349,6 +349,11 @@ class CheckpointManager:
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        if "spike_window" in states and "spike_window.count" not in meta.state_dict_metadata:
+            del states["spike_window"]  # saved before training.on_spike was on: the window fills anew
+            if self.rank == 0:
+                print(f"titanlite: {path} holds no spike window (training.on_spike was off); it "
+                      f"fills from the next {self.states['spike_window'].size} steps", flush=True)
         _read(states, path)
         if self.rank == 0:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)

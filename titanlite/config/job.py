@@ -70,6 +70,14 @@ class Training:
     (no optimizer update; the data and LR schedule still advance)."""
     max_skipped_steps: int = 10
     """With on_nonfinite = skip, the most steps a run may skip; one more stops it."""
+    on_spike: str = "off"
+    """A step whose global loss or gradient norm is more than spike_sigmas standard deviations
+    above the mean of the last spike_window applied steps: off (applied as any other), or skip
+    (no optimizer update, as a skipped non-finite step; counted in skipped_steps and spike_steps)."""
+    spike_window: int = 20
+    """The applied steps a spike is measured against; no step is judged before the window is full."""
+    spike_sigmas: float = 6.0
+    """How many standard deviations above the window's mean make a spike."""
     gc_freq: int = 50
     """Run Python's garbage collector by hand every N steps (automatic collection is switched
     off during training, so pauses land on known steps); 0 leaves Python's automatic collection on."""
@@ -217,6 +225,12 @@ class Metrics:
     """Log every N steps (and the first and last step)."""
     enable_tensorboard: bool = True
     """Write TensorBoard event files."""
+    straggler_ratio: float = 0.0
+    """> 0: on each logged step, gather every rank's own step time and log the slowest rank, its
+    host and its ratio to the median (straggler_*; TensorBoard perf/straggler_ratio), with one
+    warning once a rank is over this ratio for straggler_logs logs in a row. 0: no report."""
+    straggler_logs: int = 3
+    """Logged steps in a row a rank must be over straggler_ratio before the warning."""
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ def check_config(cfg: JobConfig) -> None:
     for key, val in [("training.steps", t.steps), ("training.seq_len", t.seq_len),
                      ("training.local_batch_size", t.local_batch_size),
                      ("metrics.log_freq", cfg.metrics.log_freq),
+                     ("metrics.straggler_logs", cfg.metrics.straggler_logs),
                      ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
                      ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
                      ("parallelism.context_parallel_degree", p.context_parallel_degree),
@@ -245,6 +246,12 @@ def check_config(cfg: JobConfig) -> None:
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
     _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     _choice("job.memory_check", cfg.job.memory_check, ("error", "warn", "off"))
+    _choice("training.on_spike", t.on_spike, ("off", "skip"))
+    if t.spike_window < 2 or not t.spike_sigmas > 0:
+        raise ConfigError(f"training.spike_window must be >= 2 and training.spike_sigmas > 0, got "
+                          f"{t.spike_window} and {t.spike_sigmas}")
+    if cfg.metrics.straggler_ratio < 0 or 0 < cfg.metrics.straggler_ratio <= 1:
+        raise ConfigError(f"metrics.straggler_ratio must be 0 (off) or > 1, got {cfg.metrics.straggler_ratio}")
     if t.max_skipped_steps < 0:
         raise ConfigError(f"training.max_skipped_steps must be >= 0, got {t.max_skipped_steps}")
     pr = cfg.profiling

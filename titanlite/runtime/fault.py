@@ -22,7 +22,9 @@ the backstop and never ends a save or a validation that is within its deadline.
 Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
 NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank,
 `slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
-comm.init_timeout_s (a save slower than set-up may take).
+comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
+SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
+SLOW_S in the rank's step from that step on (a straggler).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.restart import fired_faults, note_fired
+from titanlite.runtime.spikes import SpikeWindow
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
@@ -53,7 +56,9 @@ HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 HANG_EXIT_GRACE_S = 5.0
 
 
-FAULT_KINDS = ("nan", "hang", "kill", "slowsave")
+FAULT_KINDS = ("nan", "hang", "kill", "slowsave", "spike", "slow")
+SPIKE_FACTOR = 1000.0
+SLOW_S = 0.5
 
 
 def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
@@ -111,9 +116,11 @@ class Guard:
     """Signals, the step watchdog and the per-step agreement for one rank."""
 
     def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
-                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None) -> None:
+                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
+                 window: SpikeWindow | None = None) -> None:
         """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
-        (titanlite.parallel.mesh.Groups.set_timeout)."""
+        (titanlite.parallel.mesh.Groups.set_timeout). `window`: the spike statistics, with
+        training.on_spike = skip (checkpointed by the caller)."""
         self.rank, self.comm, self.training = rank, comm, training
         self.set_comm_timeout = set_comm_timeout
         self._comm_key: str | None = None
@@ -125,7 +132,15 @@ class Guard:
         self.step = start_step
         """The step running now, or the last one completed."""
         self.first_step = start_step + 1
+        self._step_start = time.perf_counter()
+        self.own_s = 0.0
+        """This rank's own time in the step, up to its closing all-reduce (host timer; the
+        straggler report); a wait inside an earlier collective counts as the waiting rank's."""
         self.skipped = 0
+        self.spikes = 0
+        """Steps skipped as loss or gradient-norm spikes (training.on_spike = skip)."""
+        self.window = window
+        self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
         self.stop = False
         """All ranks stop after this step: a signal reached one of them (a read verdict)."""
         self.skip = False
@@ -210,6 +225,7 @@ class Guard:
     def start_step(self, step: int) -> None:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.step = step
+        self._step_start = time.perf_counter()
         self.phase("compute")
         if self._injected("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -223,40 +239,59 @@ class Guard:
         return fault is not None
 
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if self._injected("nan") else loss
+        if self._injected("nan"):
+            return loss * float("nan")
+        return loss * SPIKE_FACTOR if self._injected("spike") else loss
 
-    def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool,
+                 loss_share: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One all-reduce over the world. Returns the global gradient norm and a device flag,
         1.0 when this step must not update (the fused optimizer's `found_inf`). Reads the
         previous step's verdict if still unread, and this step's too when `read_now` or when
         the run stops after this step (nothing may be saved unread); a read
         verdict sets `stop` and `skip`, or raises RunError for a non-finite step under `stop`
-        or too many skips."""
+        or too many skips. `loss_share`: this rank's share of the global mean loss (the spike
+        window's input; summed over the world it is the step's loss), needed with on_spike."""
+        if self._slow_from is not None and self.step >= self._slow_from:
+            if self.step == self._slow_from:
+                note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
+            time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
+        self.own_s = time.perf_counter() - self._step_start
         # torch.full fills on the device; torch.tensor(x, device=cuda) would copy from pageable
         # host memory and synchronize the stream every step
         signalled = torch.full((), float(self.signal_name is not None), device=loss_sum.device)
-        stats = torch.stack([grad_sq, signalled, (~torch.isfinite(loss_sum)).float()])
+        parts = [grad_sq, signalled, (~torch.isfinite(loss_sum)).float()]
+        if self.window is not None:
+            parts.append(loss_share)
+        stats = torch.stack(parts)
         dist.all_reduce(stats)
         norm = stats[0].sqrt()
-        verdict = torch.stack([stats[1] > 0, stats[2] > 0, ~torch.isfinite(norm)])
+        bad_loss, bad_grad = stats[2] > 0, ~torch.isfinite(norm)
+        spike = (self.window.judge(stats[3], norm, bad_loss | bad_grad) if self.window is not None
+                 else torch.zeros((), dtype=torch.bool, device=norm.device))
+        verdict = torch.stack([stats[1] > 0, bad_loss, bad_grad, spike])
         if self._pending is not None:
             self._read(*self._pending)
         self._pending = (self.step, *_start_host_copy(verdict))
         self.skip = False
         if read_now or self.stop:  # a stopping step saves and logs: it syncs anyway
             self._read(*self._pending)
-        return norm, (verdict[1] | verdict[2]).float()
+        return norm, (verdict[1] | verdict[2] | verdict[3]).float()
 
     def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         self._pending = None
         if copied is not None:
             copied.synchronize()
-        stop, bad_loss, bad_grad = host.tolist()
+        stop, bad_loss, bad_grad, spike = host.tolist()
         self.stop = self.stop or stop
-        if not (bad_loss or bad_grad):
+        if not (bad_loss or bad_grad or spike):
             return
         what = "loss" if bad_loss else "gradient norm"
-        if self.training.on_nonfinite == "stop":
+        if spike:
+            self.spikes += 1
+            what = (f"loss or gradient norm over training.spike_sigmas ({self.training.spike_sigmas:g}) standard "
+                    f"deviations above the last {self.training.spike_window} steps' mean (training.on_spike = skip)")
+        elif self.training.on_nonfinite == "stop":
             raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
                            "data, or set training.on_nonfinite = skip")
@@ -266,7 +301,7 @@ class Guard:
             raise RunError(f"step {step}: {self.skipped} steps with non-finite loss or gradients, more "
                            f"than training.max_skipped_steps ({self.training.max_skipped_steps}); stopping")
         if self.rank == 0:
-            print(f"titanlite: warning: step {step}: non-finite {what}; optimizer step skipped "
+            print(f"titanlite: warning: step {step}: {'' if spike else 'non-finite '}{what}; optimizer step skipped "
                   f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
 
 
