@@ -151,6 +151,27 @@ def test_a_spike_is_skipped_as_a_nan_and_a_slow_rank_is_named(tmp_path):
         (m["step"], m["loss"], 1) for m in rows[3:]]
 
 
+def test_spike_rollback_equals_a_resume_that_skips_the_same_samples(tmp_path):
+    # two spikes in a row (11, 12) send the run back to step-10 with steps 11-12's samples
+    # (global batch 4: 40-48) skipped; a run from that checkpoint told to skip them by config
+    # logs the same losses, and the range saved with step-15 keeps a later resume off them
+    args = [*SPIKY, "--metrics.log_freq", "1", "--training.on_spike", "rollback", "--training.spike_window", "5",
+            "--training.spike_rollback_after", "2", *CKPT, "--checkpoint.interval", "5"]
+    rolled = train(1, args, dump=tmp_path / "rolled", env={"TITANLITE_FAULTS": "spike@11,spike@12"}, timeout=LIMIT_S)
+    assert "step 12: 2 spikes in a row (steps 11-12); rolled back to step 10, samples 40-48 skipped" in rolled.output
+    # step 12 rolls back before it logs
+    assert [m["step"] for m in rolled.metrics] == [*range(1, 12), *range(11, 16)]
+    (tmp_path / "by_config" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "rolled" / "checkpoint" / "step-10").rename(tmp_path / "by_config" / "checkpoint" / "step-10")
+    skip = [*args, "--data.skip_samples", "40-48"]
+    by_config = train(1, skip, dump=tmp_path / "by_config", timeout=LIMIT_S)
+    assert rolled.losses[11:] == by_config.losses  # bit for bit
+    # two more steps: the rolled run told nothing, the other still told by config
+    later = train(1, [*args, "--training.steps", "17"], dump=tmp_path / "rolled", timeout=LIMIT_S)
+    told = train(1, [*skip, "--training.steps", "17"], dump=tmp_path / "by_config", timeout=LIMIT_S)
+    assert later.losses[-2:] == told.losses[-2:]
+
+
 # A signal read late (arrived in step 3, read during step 4) makes step 4 the last: it must
 # read its own verdict at once, or a NaN there would be saved without a word.
 LATE_STOP = """

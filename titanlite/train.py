@@ -104,6 +104,22 @@ def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
     return scalars
 
 
+def roll_back(ckpt: CheckpointManager, guard: Guard, loader, global_batch_size: int, rank: int) -> int:
+    """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
+    skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
+    first, last, n = guard.streak[0], guard.streak[-1], len(guard.streak)
+    sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
+    start, end = (sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size)
+    guard.phase("checkpoint save")  # loading takes a save's time
+    step = ckpt.roll_back(start, end)
+    guard.rolled_back(step)
+    if rank == 0:
+        print(f"titanlite: warning: step {last}: {n} spikes in a row (steps "
+              f"{first}-{last}); rolled back to step {step}, samples {start}-{end} skipped from now on "
+              "(training.on_spike = rollback)", file=sys.stderr, flush=True)
+    return step
+
+
 def train(cfg: JobConfig, plan: Plan) -> str | None:
     """Returns the run's last line: how it stopped after a signal, or None."""
     t = cfg.training
@@ -181,7 +197,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     last_log_step = start_step
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
-    for step in range(start_step + 1, t.steps + 1):
+    step = start_step
+    while step < t.steps:
+        step += 1
         guard.start_step(step)
         profiler.step_begin(step)
         out = train_step([prepare(next(data_iter)) for _ in range(accum)])
@@ -206,6 +224,11 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
+        if t.on_spike == "rollback" and len(guard.streak) >= t.spike_rollback_after:
+            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank)
+            data_iter = iter(loader)
+            last_log, last_log_step = time.perf_counter(), step
+            continue
         guard.phase("checkpoint save")
         ckpt.maybe_save(step, force=guard.stop)
 

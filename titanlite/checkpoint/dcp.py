@@ -41,7 +41,7 @@ from titanlite.checkpoint.hf import (HFAdapter, block_groups, check_hf_config, f
                                     read_safetensors)
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
-                                        TrainState)
+                                        SkippedSamples, TrainState)
 from titanlite.optim import Optimizers
 
 INFO = "titanlite.json"
@@ -261,6 +261,7 @@ class CheckpointManager:
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = DataState(loader, data, seq_len, global_batch_size)
+        self.skipped = SkippedSamples(loader)
         self.tokens_per_step = global_batch_size * seq_len
         self.states = {"model": ModelState(parts), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
@@ -309,6 +310,17 @@ class CheckpointManager:
         self._loaded_samples = self.data.samples_seen
         return step
 
+    def roll_back(self, start: int, end: int) -> int:
+        """Back to the newest checkpoint that loads (training.on_spike = rollback), the samples
+        [start, end) skipped from then on; returns its step."""
+        self._finish_pending(block=True)
+        if not self._candidates():
+            raise RunError(f"training.on_spike = rollback: no checkpoint in {self.root} to go back to yet; "
+                           "lower checkpoint.interval or use on_spike = skip")
+        step = self.maybe_load()
+        self.skipped.add(start, end)
+        return step
+
     def _load(self) -> int:
         """The newest checkpoint that loads. One whose files fail to read (a truncated or missing
         shard) is passed over with a warning for the one before it, unless checkpoint.load_step
@@ -349,6 +361,8 @@ class CheckpointManager:
         states = dict(self.states)
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        if "skipped_samples.ranges" in meta.state_dict_metadata:
+            states["skipped_samples"] = self.skipped
         if "spike_window" in states and "spike_window.count" not in meta.state_dict_metadata:
             del states["spike_window"]  # saved before training.on_spike was on: the window fills anew
             if self.rank == 0:
@@ -429,6 +443,8 @@ class CheckpointManager:
         done = step - self._loaded_step
         self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
         self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
+        if self.skipped.ranges:  # saved only once there are some: other checkpoints stay as they were
+            self.states["skipped_samples"] = self.skipped
         if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:

@@ -72,12 +72,16 @@ class Training:
     """With on_nonfinite = skip, the most steps a run may skip; one more stops it."""
     on_spike: str = "off"
     """A step whose global loss or gradient norm is more than spike_sigmas standard deviations
-    above the mean of the last spike_window applied steps: off (applied as any other), or skip
-    (no optimizer update, as a skipped non-finite step; counted in skipped_steps and spike_steps)."""
+    above the mean of the last spike_window applied steps: off (applied as any other), skip
+    (no optimizer update, as a skipped non-finite step; counted in skipped_steps and spike_steps),
+    or rollback (skip, and see spike_rollback_after; needs checkpoint.enable)."""
     spike_window: int = 20
     """The applied steps a spike is measured against; no step is judged before the window is full."""
     spike_sigmas: float = 6.0
     """How many standard deviations above the window's mean make a spike."""
+    spike_rollback_after: int = 3
+    """With on_spike = rollback: this many spikes in a row send the run back to its newest
+    checkpoint, the data of those steps skipped from then on (recorded in the checkpoint)."""
     gc_freq: int = 50
     """Run Python's garbage collector by hand every N steps (automatic collection is switched
     off during training, so pauses land on known steps); 0 leaves Python's automatic collection on."""
@@ -257,6 +261,10 @@ class Data:
     """Weighted mixture instead of data.path: ["SOURCE:WEIGHT", ...] (on the command line
     SOURCE:WEIGHT,SOURCE:WEIGHT); weights are relative, honoured to 1/1000. Each SOURCE is
     anything data.path accepts."""
+    skip_samples: str = ""
+    """Global sample ranges never trained on, "START-END,..." (END excluded; every global batch
+    that overlaps one is passed over), e.g. the data around a loss spike; a spike rollback
+    records its own in the checkpoint. Not with data.streaming."""
     streaming: bool = False
     """Read data.path lazily (Hugging Face datasets streaming) instead of tokenizing it whole
     up front; see docs/data.md for what order guarantees hold."""

@@ -170,6 +170,18 @@ def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}")
 
 
+def parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """data.skip_samples "START-END,..." -> ((start, end), ...), END excluded."""
+    ranges = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        start, _, end = item.partition("-")
+        if not (start.isdigit() and end.isdigit() and int(start) < int(end)):
+            raise ConfigError(f"data.skip_samples: bad range '{item}'; expected START-END with START < END, "
+                              "e.g. 1024-2048")
+        ranges.append((int(start), int(end)))
+    return tuple(ranges)
+
+
 def check_config(cfg: JobConfig) -> None:
     """Checks that need no world size, model or files; everything else is checked where known."""
     t, p, s = cfg.training, cfg.parallelism, cfg.lr_scheduler
@@ -246,7 +258,15 @@ def check_config(cfg: JobConfig) -> None:
     _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
     _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     _choice("job.memory_check", cfg.job.memory_check, ("error", "warn", "off"))
-    _choice("training.on_spike", t.on_spike, ("off", "skip"))
+    _choice("training.on_spike", t.on_spike, ("off", "skip", "rollback"))
+    if t.on_spike == "rollback" and not cfg.checkpoint.enable:
+        raise ConfigError("training.on_spike = rollback goes back to a checkpoint; set checkpoint.enable = true")
+    if t.spike_rollback_after < 1:
+        raise ConfigError(f"training.spike_rollback_after must be >= 1, got {t.spike_rollback_after}")
+    parse_ranges(cfg.data.skip_samples)
+    if cfg.data.streaming and (cfg.data.skip_samples or t.on_spike == "rollback"):
+        raise ConfigError("data.skip_samples and training.on_spike = rollback need a sample order; "
+                          "data.streaming has none: turn streaming off or leave them out")
     if t.spike_window < 2 or not t.spike_sigmas > 0:
         raise ConfigError(f"training.spike_window must be >= 2 and training.spike_sigmas > 0, got "
                           f"{t.spike_window} and {t.spike_sigmas}")

@@ -140,6 +140,8 @@ class Guard:
         self.spikes = 0
         """Steps skipped as loss or gradient-norm spikes (training.on_spike = skip)."""
         self.window = window
+        self.streak: list[int] = []
+        """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
         self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
         self.stop = False
         """All ranks stop after this step: a signal reached one of them (a read verdict)."""
@@ -238,6 +240,12 @@ class Guard:
             note_fired(_spec(fault))
         return fault is not None
 
+    def rolled_back(self, step: int) -> None:
+        """The run went back to `step` (a spike rollback): the verdict still unread is of a step
+        undone, and each injected fault has fired (once per run, as after a restart)."""
+        self.faults = {f for f in self.faults if f[1] > self.step}
+        self._pending, self.streak, self.step = None, [], step
+
     def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self._injected("nan"):
             return loss * float("nan")
@@ -284,13 +292,14 @@ class Guard:
             copied.synchronize()
         stop, bad_loss, bad_grad, spike = host.tolist()
         self.stop = self.stop or stop
+        self.streak = [*self.streak, step] if spike else []
         if not (bad_loss or bad_grad or spike):
             return
         what = "loss" if bad_loss else "gradient norm"
         if spike:
             self.spikes += 1
             what = (f"loss or gradient norm over training.spike_sigmas ({self.training.spike_sigmas:g}) standard "
-                    f"deviations above the last {self.training.spike_window} steps' mean (training.on_spike = skip)")
+                    f"deviations above the last {self.training.spike_window} steps' mean (training.on_spike = {self.training.on_spike})")
         elif self.training.on_nonfinite == "stop":
             raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
