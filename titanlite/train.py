@@ -109,9 +109,13 @@ def roll_back(ckpt: CheckpointManager, guard: Guard, loader, global_batch_size: 
     skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
     first, last, n = guard.streak[0], guard.streak[-1], len(guard.streak)
     sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
-    start, end = (sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size)
+    start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
     guard.phase("checkpoint save")  # loading takes a save's time
-    step = ckpt.roll_back(start, end)
+    if not ckpt.candidates():
+        raise RunError(f"step {last}: {n} spikes in a row and no checkpoint to go back to yet (training.on_spike = "
+                       "rollback); lower checkpoint.interval or set training.on_spike = skip")
+    step = ckpt.maybe_load()
+    ckpt.optional["skipped_samples"].add(start, end)
     guard.rolled_back(step)
     if rank == 0:
         print(f"titanlite: warning: step {last}: {n} spikes in a row (steps "
@@ -154,7 +158,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         return None
     window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
     if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
-        ckpt.states["spike_window"] = window
+        ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
 
     metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)

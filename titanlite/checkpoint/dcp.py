@@ -261,7 +261,7 @@ class CheckpointManager:
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = DataState(loader, data, seq_len, global_batch_size)
-        self.skipped = SkippedSamples(loader)
+        self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
         self.tokens_per_step = global_batch_size * seq_len
         self.states = {"model": ModelState(parts), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
@@ -288,7 +288,7 @@ class CheckpointManager:
 
     # -- loading --
 
-    def _candidates(self) -> list[int]:
+    def candidates(self) -> list[int]:
         """The steps to try, newest first: checkpoint.load_step alone, else every complete one.
         Rank 0 decides for all, even if the folder changes under us."""
         choice: list[Any] = [None]
@@ -310,22 +310,11 @@ class CheckpointManager:
         self._loaded_samples = self.data.samples_seen
         return step
 
-    def roll_back(self, start: int, end: int) -> int:
-        """Back to the newest checkpoint that loads (training.on_spike = rollback), the samples
-        [start, end) skipped from then on; returns its step."""
-        self._finish_pending(block=True)
-        if not self._candidates():
-            raise RunError(f"training.on_spike = rollback: no checkpoint in {self.root} to go back to yet; "
-                           "lower checkpoint.interval or use on_spike = skip")
-        step = self.maybe_load()
-        self.skipped.add(start, end)
-        return step
-
     def _load(self) -> int:
         """The newest checkpoint that loads. One whose files fail to read (a truncated or missing
         shard) is passed over with a warning for the one before it, unless checkpoint.load_step
         names it: a step asked for is never swapped for another."""
-        candidates = self._candidates() if self.cfg.enable else []
+        candidates = self.candidates() if self.cfg.enable else []
         if not candidates:
             if self.cfg.initial_load_path:
                 self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
@@ -358,16 +347,11 @@ class CheckpointManager:
             return 0
         meta = self._check_saved(path)
         self.data.check_saved(meta.state_dict_metadata)
-        states = dict(self.states)
+        states = {k: v for k, v in self.states.items() if k not in self.optional}
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
-        if "skipped_samples.ranges" in meta.state_dict_metadata:
-            states["skipped_samples"] = self.skipped
-        if "spike_window" in states and "spike_window.count" not in meta.state_dict_metadata:
-            del states["spike_window"]  # saved before training.on_spike was on: the window fills anew
-            if self.rank == 0:
-                print(f"titanlite: {path} holds no spike window (training.on_spike was off); it "
-                      f"fills from the next {self.states['spike_window'].size} steps", flush=True)
+        # absent (a run without ranges, on_spike off): no ranges, a spike window that fills anew
+        states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
         _read(states, path)
         if self.rank == 0:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
@@ -443,8 +427,7 @@ class CheckpointManager:
         done = step - self._loaded_step
         self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
         self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
-        if self.skipped.ranges:  # saved only once there are some: other checkpoints stay as they were
-            self.states["skipped_samples"] = self.skipped
+        self.states |= {k: v for k, v in self.optional.items() if v}  # other checkpoints stay as they were
         if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:

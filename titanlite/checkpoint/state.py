@@ -162,6 +162,9 @@ class SkippedSamples:
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return () if self.sampler is None else self.sampler.skip
 
+    def __len__(self) -> int:  # none: not saved (CheckpointManager.optional)
+        return len(self.ranges)
+
     def add(self, start: int, end: int) -> None:
         self.sampler.set_skip((*self.sampler.skip, (start, end)))
 

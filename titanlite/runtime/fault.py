@@ -298,8 +298,9 @@ class Guard:
         what = "loss" if bad_loss else "gradient norm"
         if spike:
             self.spikes += 1
-            what = (f"loss or gradient norm over training.spike_sigmas ({self.training.spike_sigmas:g}) standard "
-                    f"deviations above the last {self.training.spike_window} steps' mean (training.on_spike = {self.training.on_spike})")
+            t = self.training
+            what = (f"loss or gradient norm over training.spike_sigmas ({t.spike_sigmas:g}) standard deviations "
+                    f"above the last {t.spike_window} steps' mean (training.on_spike = {t.on_spike})")
         elif self.training.on_nonfinite == "stop":
             raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
