@@ -259,8 +259,9 @@ def check_config(cfg: JobConfig) -> None:
     _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
     _choice("job.memory_check", cfg.job.memory_check, ("error", "warn", "off"))
     _choice("training.on_spike", t.on_spike, ("off", "skip", "rollback"))
-    if t.on_spike == "rollback" and not cfg.checkpoint.enable:
-        raise ConfigError("training.on_spike = rollback goes back to a checkpoint; set checkpoint.enable = true")
+    if t.on_spike == "rollback" and (not cfg.checkpoint.enable or cfg.checkpoint.load_step != -1):
+        raise ConfigError("training.on_spike = rollback goes back to the newest checkpoint; set checkpoint.enable = "
+                          "true and leave checkpoint.load_step at -1")
     if t.spike_rollback_after < 1:
         raise ConfigError(f"training.spike_rollback_after must be >= 1, got {t.spike_rollback_after}")
     parse_ranges(cfg.data.skip_samples)
