@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import load as config_load
 
@@ -104,7 +105,8 @@ def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
     return scalars
 
 
-def roll_back(ckpt: CheckpointManager, guard: Guard, loader, global_batch_size: int, rank: int) -> int:
+def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
+              rank: int) -> int:
     """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
     skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
     first, last, n = guard.streak[0], guard.streak[-1], len(guard.streak)

@@ -119,8 +119,8 @@ class Guard:
                  start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
                  window: SpikeWindow | None = None) -> None:
         """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
-        (titanlite.parallel.mesh.Groups.set_timeout). `window`: the spike statistics, with
-        training.on_spike = skip (checkpointed by the caller)."""
+        (titanlite.parallel.mesh.Groups.set_timeout). `window`: the spike statistics when
+        training.on_spike is on (checkpointed by the caller)."""
         self.rank, self.comm, self.training = rank, comm, training
         self.set_comm_timeout = set_comm_timeout
         self._comm_key: str | None = None
@@ -138,7 +138,7 @@ class Guard:
         straggler report); a wait inside an earlier collective counts as the waiting rank's."""
         self.skipped = 0
         self.spikes = 0
-        """Steps skipped as loss or gradient-norm spikes (training.on_spike = skip)."""
+        """Steps skipped as loss or gradient-norm spikes (training.on_spike skip or rollback)."""
         self.window = window
         self.streak: list[int] = []
         """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
