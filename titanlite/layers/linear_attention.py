@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from titanlite.layers.attention import AttnContext
 
@@ -186,8 +186,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if isinstance(weight, DTensor):  # tensor parallel: whole here, applied to this rank's heads
+            weight = weight.to_local(grad_placements=[Partial()])
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+        return ((weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
