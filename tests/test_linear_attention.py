@@ -55,12 +55,16 @@ def test_gradients_match_autograd_through_recurrent_form():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-def test_packed_documents_restart_the_state():
-    """Each document of a packed row equals that document run alone; the chunk size of 16 puts
-    document starts both inside chunks (20, 37) and on none of their boundaries."""
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_packed_documents_restart_the_state(chunk):
+    """Each document of a packed row equals that document run alone; document starts (5, 20,
+    37) fall inside chunks, on none of their boundaries. Steep decays: with chunks of 32, the
+    first chunk's two documents differ by over 100 in log decay, where exp overflows (and the
+    state carried on is NaN) unless what crosses a document is masked before it."""
     q, k, v, g, beta = _inputs(4)
+    g = 20 * g
     ctx = AttnContext(document_ids=DOCS)
-    out, _ = linear_attention(q, k, v, g, beta, ctx, chunk_size=16)
+    out, _ = linear_attention(q, k, v, g, beta, ctx, chunk_size=chunk)
     worst = 0.0
     for row in range(B):
         for doc in DOCS[row].unique():
@@ -70,7 +74,7 @@ def test_packed_documents_restart_the_state():
             worst = max(worst, (alone - out[row:row + 1, cut]).abs().max().item())
     assert worst < 1e-5
     # and the documents matter: without them the second document reads the first's state
-    assert (linear_attention(q, k, v, g, beta, chunk_size=16)[0] - out).abs().max() > 1e-2
+    assert (linear_attention(q, k, v, g, beta, chunk_size=chunk)[0] - out).abs().max() > 1e-2
 
 
 def test_a_document_starting_at_the_first_token_drops_the_initial_state():

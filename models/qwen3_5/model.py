@@ -15,6 +15,7 @@ Blocks are `Block`s stacked by `Decoder`. Parallelism lives in parallelize.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -58,6 +59,7 @@ class ModelArgs(DecoderArgs):
     """"torch" (plain PyTorch) or "fla" (flash-linear-attention; titanlite.layers.linear_attention)."""
     moe: MoEArgs | None = None
     """Every block's feed-forward is this MoE (Qwen3.5-MoE); None: dense."""
+    layer_kinds: ClassVar[tuple[str, ...]] = LAYER_TYPES
 
     @property
     def rotary_dim(self) -> int:

@@ -7,7 +7,7 @@ frequencies are, and subclasses `Decoder` with them; this file holds the rest on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,10 @@ class DecoderArgs:
     sliding_window: int = 0
     """Keys a query sees (itself included) in sliding-window layers; 0: no window."""
     layer_types: tuple[str, ...] = ()
-    """Per layer "full_attention" or "sliding_attention" (Hugging Face's names); empty: every
-    layer slides when sliding_window is set."""
+    """Per layer one of `layer_kinds` (Hugging Face's names); empty: every layer slides when
+    sliding_window is set."""
+    layer_kinds: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
+    """The layer types the family builds (Qwen3.5's: linear_attention and full_attention)."""
     attn_sinks: bool = False
     """A learned sink logit per query head in every layer (gpt-oss)."""
 

@@ -90,27 +90,32 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
     cum = g.cumsum(-1)  # log decay from the chunk's start to each token, itself included
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    from_start, to_end = cum, cum[..., -1:] - cum  # log decay: chunk start -> token, token -> chunk end
     if starts is None:
-        pairs, carried, to_last = causal, 1.0, 1.0
+        pairs = causal
     else:
         starts = F.pad(starts.to(q.device), (0, pad)).reshape(b, 1, n, c)
         # the chunk position where each token's document (within this chunk) begins
         seg = torch.where(starts, torch.arange(c, device=q.device), 0).cummax(-1).values
         cum = cum - (cum - g).gather(-1, seg.expand(b, hv, n, c))  # summed within the document only
         pairs = causal & (seg[..., :, None] == seg[..., None, :])
-        carried = ((seg == 0) & ~starts[..., :1]).float()  # tokens that continue the previous chunk's document
-        to_last = (seg == seg[..., -1:]).float()  # tokens in the chunk's last document
+        # a token reads the carried state only if its document continues the previous chunk's,
+        # and writes the next chunk's only if it is in the chunk's last document: -inf in log
+        # space, before exp (a masked product could meet exp overflowing across documents)
+        carried = (seg == 0) & ~starts[..., :1]
+        from_start = cum.masked_fill(~carried, float("-inf"))
+        to_end = (cum[..., -1:] - cum).masked_fill(seg != seg[..., -1:], float("-inf"))
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~pairs, float("-inf")).exp()
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # (I + strictly lower(T)) solves the delta updates inside a chunk: u are the corrected values
     # from the chunk alone, w the (decayed) keys through which the carried state corrects them
     t = (k_beta @ k.transpose(-1, -2)) * decay
     u = torch.linalg.solve_triangular(t, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(t, k_beta * (cum.exp() * carried)[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(t, k_beta * from_start.exp()[..., None], upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
-    q_read = q * (cum.exp() * carried)[..., None]  # reads of the carried state
-    k_write = k * ((cum[..., -1:] - cum).exp() * to_last)[..., None]  # writes into the next chunk's state
-    keep = (cum[..., -1].exp() * (carried[..., -1] if starts is not None else 1.0))[..., None, None]
+    q_read = q * from_start.exp()[..., None]  # reads of the carried state
+    k_write = k * to_end.exp()[..., None]  # writes into the next chunk's state
+    keep = from_start[..., -1].exp()[..., None, None]  # the carried state's share of the next one
 
     state = (torch.zeros(b, hv, dk, dv, device=q.device) if initial_state is None
              else initial_state.to(device=q.device, dtype=torch.float32))
