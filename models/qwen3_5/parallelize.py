@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_m
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titanlite.errors import ConfigError
+from titanlite.layers.linear_attention import LINEAR_BACKENDS, require_fla
 from titanlite.parallel.expert import check_expert_layout
 from titanlite.parallel.mesh import ParallelDims
 from titanlite.parallel.tensor import TPPlan, TokenParallel, check_tp, decoder_plan
@@ -23,7 +24,15 @@ from .model import ModelArgs
 
 
 def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
-    """Refuse layouts the shapes cannot serve, before any weight is allocated."""
+    """Refuse layouts the shapes cannot serve, and a linear backend that cannot run, before any
+    weight is allocated."""
+    if args.linear_backend not in LINEAR_BACKENDS:
+        raise ConfigError(f"the flavor's linear_backend {args.linear_backend!r} is not one of {LINEAR_BACKENDS}")
+    if args.linear_backend == "fla":
+        try:
+            require_fla()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
     if dims.cp > 1:
         raise ConfigError("parallelism.context_parallel_degree: Qwen3.5's linear-attention blocks do not run under "
                           "context parallel yet; set it to 1")
