@@ -143,3 +143,46 @@ def test_fla_backend_refused_in_one_line_where_missing():
         pass
     with pytest.raises(ImportError, match=r"^linear_backend fla needs flash-linear-attention .*torch"):
         require_fla()
+
+
+def test_flops_formula_matches_flop_counter():
+    """What one more chunk costs to train, as FlopCounterMode counts it, is the formula's count
+    per token (each sequence's first and last chunk skip some state products: measured as the
+    difference of two lengths, those cancel)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titanlite.layers.linear_attention import flops_per_token
+
+    def counted(seq, chunk, dk, dv):
+        gen = torch.Generator().manual_seed(8)
+        q, k = (torch.randn(2, seq, 3, dk, generator=gen, requires_grad=True) for _ in range(2))
+        v = torch.randn(2, seq, 3, dv, generator=gen, requires_grad=True)
+        g, beta = (-torch.rand(2, seq, 3, generator=gen)).requires_grad_(), torch.rand(2, seq, 3, generator=gen)
+        with FlopCounterMode(display=False) as counter:
+            chunk_gated_delta_rule(q, k, v, g, beta.requires_grad_(), chunk_size=chunk)[0].sum().backward()
+        return counter.get_total_flops()
+
+    for chunk, dk, dv in ((16, 16, 8), (32, 8, 24)):
+        extra = counted(4 * chunk, chunk, dk, dv) - counted(2 * chunk, chunk, dk, dv)
+        assert extra == 2 * 3 * 2 * chunk * flops_per_token(dk, dv, chunk)
+
+
+def test_compiled_layer_matches_eager_with_documents():
+    """torch.compile (fullgraph, as per-block compile runs blocks) takes the layer whole, packed
+    documents included, and computes what eager does."""
+    torch.manual_seed(9)
+    layer = GatedDeltaNet(32, 2, 4, 8, 6, chunk_size=16)
+    with torch.no_grad():
+        for p in (layer.conv_q, layer.conv_k, layer.conv_v, layer.A_log):
+            p.normal_(0, 0.5)
+    x = torch.randn(B, S, 32, requires_grad=True)
+    ctx = AttnContext(document_ids=DOCS)
+    outs = []
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        out = fn(x, None, None, ctx)
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        outs.append((out, grads))
+    (eager, eager_grads), (compiled, compiled_grads) = outs
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+    for a, b in zip(compiled_grads, eager_grads):  # per tensor, relative to its largest entry (tests/grad_parity.py)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()

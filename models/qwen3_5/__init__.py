@@ -1,7 +1,7 @@
 """Qwen3.5 family (hybrid linear attention; dense and MoE, text only): flavors with the shapes
 of transformers' default configs, and the spec the framework loads."""
 
-from titanlite.layers import decoder
+from titanlite.layers import decoder, linear_attention
 from titanlite.layers.moe import AUX_LOSS, MoEArgs, post_step_hooks
 from titanlite.model_spec import ModelSpec
 
@@ -43,13 +43,12 @@ def activated_params(args: ModelArgs) -> int:
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """6 x activated parameters, + causal softmax scores in the full-attention blocks, + the gated
-    delta rule's work per token in the linear ones (linear in nothing but the chunk size):
-    per value head and chunk of C tokens, the [C, C] products and solves and the state reads and
-    writes, 4 C (Dk + Dv) + 4 Dk Dv multiply-adds a token forward, x3 with backward."""
+    """Training FLOPs per token: 6 x activated parameters, + causal softmax scores in the
+    full-attention blocks (as titanlite.layers.decoder counts them), + the gated delta rule in
+    the linear ones, which does not grow with the sequence (titanlite.layers.linear_attention)."""
     full = sum(args.layer_type(i) == "full_attention" for i in range(args.n_layers))
-    dk, dv, c = args.linear_k_head_dim, args.linear_v_head_dim, args.chunk_size
-    per_linear = 3 * 2 * args.linear_v_heads * (2 * c * (dk + dv) + 4 * dk * dv)
+    per_linear = args.linear_v_heads * linear_attention.flops_per_token(args.linear_k_head_dim,
+                                                                        args.linear_v_head_dim, args.chunk_size)
     return (6 * activated_params(args) + 12 * full * args.n_heads * args.head_dim * seq_len
             + (args.n_layers - full) * per_linear)
 

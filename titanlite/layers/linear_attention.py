@@ -128,6 +128,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(1, 2).to(out_dtype), state
 
 
+def flops_per_token(k_head_dim: int, v_head_dim: int, chunk_size: int) -> int:
+    """Training FLOPs (forward + backward) of `chunk_gated_delta_rule` per token and value head,
+    matmuls only (FlopCounterMode's count; triangular solves and elementwise work aside). Forward,
+    per token: the chunk's [C, C] products k_beta k^T and q k^T (2 x 2 C Dk), the intra-chunk
+    output (2 C Dv) and three products with the [Dk, Dv] state (3 x 2 Dk Dv); backward twice that,
+    plus the gradient of each triangular solve's matrix (2 C (Dk + Dv)). Linear in the sequence:
+    C is the chunk size, not the context."""
+    c, dk, dv = chunk_size, k_head_dim, v_head_dim
+    forward = 4 * c * dk + 2 * c * dv + 6 * dk * dv
+    return 3 * forward + 2 * c * (dk + dv)
+
+
 def _fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          starts: torch.Tensor | None, initial_state: torch.Tensor | None, qk_l2norm: bool,
          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
