@@ -94,7 +94,7 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
     updates = {"max_seq_len": seq_len, "context_len": args.context_len or args.max_seq_len}
     if vocab_size:
         updates["vocab_size"] = vocab_size
-    if moe is not None and hasattr(args, "moe"):
+    if moe is not None and getattr(args, "moe", None) is not None:  # a family may have dense flavors (None)
         updates["moe"] = dataclasses.replace(args.moe, aux_loss_coeff=moe.aux_loss_coeff,
                                              bias_update_rate=moe.bias_update_rate, grouped_mm=moe.grouped_mm)
     elif moe is not None and moe != type(moe)():

@@ -48,12 +48,12 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
-    if dims.ep > 1 and not hasattr(args, "moe"):
+    if dims.ep > 1 and getattr(args, "moe", None) is None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
                           "has no experts; set it to 1")
     spec.check_layout(args, dims)
     check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
-    if hasattr(args, "moe") and cfg.moe.grouped_mm == "on":
+    if getattr(args, "moe", None) is not None and cfg.moe.grouped_mm == "on":
         check_grouped_mm((args.moe.hidden, args.dim), cfg.training)
     context.check_seq_len(cfg.training.seq_len, dims.cp)
     # sequence parallel splits each rank's (context-parallel) share of the sequence over tp
@@ -142,10 +142,10 @@ def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
     if window > context:
         raise ConfigError(f"the flavor's sliding_window {window} is larger than the model's context ({context} "
                           "tokens); a window that sees everything is no window: set 0")
-    kinds = {"full_attention", "sliding_attention"}
-    if args.layer_types and (len(args.layer_types) != args.n_layers or set(args.layer_types) - kinds):
+    kinds = args.layer_kinds
+    if args.layer_types and (len(args.layer_types) != args.n_layers or set(args.layer_types) - set(kinds)):
         raise ConfigError(f"the flavor's layer_types must name each of its {args.n_layers} layers "
-                          f"'full_attention' or 'sliding_attention', got {args.layer_types}")
+                          f"{' or '.join(repr(k) for k in kinds)}, got {args.layer_types}")
     if backend == "flex":
         try:
             from torch.nn.attention import flex_attention  # noqa: F401

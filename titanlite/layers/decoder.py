@@ -7,7 +7,7 @@ frequencies are, and subclasses `Decoder` with them; this file holds the rest on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,10 @@ class DecoderArgs:
     sliding_window: int = 0
     """Keys a query sees (itself included) in sliding-window layers; 0: no window."""
     layer_types: tuple[str, ...] = ()
-    """Per layer "full_attention" or "sliding_attention" (Hugging Face's names); empty: every
-    layer slides when sliding_window is set."""
+    """Per layer one of `layer_kinds` (Hugging Face's names); empty: every layer slides when
+    sliding_window is set."""
+    layer_kinds: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
+    """The layer types the family builds (Qwen3.5's: linear_attention and full_attention)."""
     attn_sinks: bool = False
     """A learned sink logit per query head in every layer (gpt-oss)."""
 
@@ -53,16 +55,18 @@ class DecoderArgs:
 
 class Block(nn.Module):
     """x + attention(norm(x)), then h + ffn(norm(h)). The feed-forward is registered as
-    `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which."""
+    `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which.
+    `attention` is any mixer called as attention(x, cos, sin, ctx): softmax attention or a linear
+    one (titanlite.layers.linear_attention.GatedDeltaNet)."""
 
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module | None = None,
-                 moe: MoE | None = None):
+                 moe: MoE | None = None, norm: Callable[..., nn.Module] = nn.RMSNorm):
         super().__init__()
         if (feed_forward is None) == (moe is None):
             raise ValueError("a Block takes either a feed_forward or a moe layer")
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = norm(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = norm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
         self.moe = moe
 
@@ -75,16 +79,17 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """tok_embeddings -> layers -> norm -> output. `block(i)` builds block i; `rope_freqs` are
     the RoPE frequencies (CPU, in the dtype the tables are computed in) and `rope_scale` the
-    factor on the tables (YaRN's attention factor, else 1)."""
+    factor on the tables (YaRN's attention factor, else 1); `norm(dim, eps=...)` builds the final
+    norm (titanlite.layers.norm.OffsetRMSNorm for a (1 + w) family)."""
 
     def __init__(self, args: DecoderArgs, block: Callable[[int], nn.Module], rope_freqs: torch.Tensor,
-                 rope_scale: float = 1.0):
+                 rope_scale: float = 1.0, norm: Callable[..., nn.Module] = nn.RMSNorm):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # a dict keeps parameter names stable if layers are ever removed (pipeline stages)
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = norm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -48,6 +48,9 @@ class MoEArgs:
     shared_hidden: int = 0
     """Width of the shared expert every token passes through (several shared experts are one
     wider one); 0: none."""
+    shared_gate: bool = False
+    """Scale the shared expert's output by sigmoid(shared_gate x), a learned per-token gate
+    (Qwen3.5-MoE's shared_expert_gate, one weight row of dim elements)."""
     score_func: str = "softmax"
     """"softmax" over experts (Qwen3-MoE), per-expert "sigmoid" (DeepSeek-V3), or "topk_softmax":
     the top k logits chosen, then a softmax over those alone (gpt-oss; `renormalize` unused)."""
@@ -256,6 +259,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm, args.expert_biases,
                                       args.swiglu_limit, args.swiglu_alpha)
         self.shared = FeedForward(dim, args.shared_hidden, F.silu) if args.shared_hidden else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_hidden and args.shared_gate else None
         # tokens routed to each expert since the last optimizer step, for balancing and metrics;
         # not saved (the step's counts are consumed by the post-step hook)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
@@ -293,7 +297,8 @@ class MoE(nn.Module):
         out = torch.empty_like(routed).index_copy(0, order, routed).view(-1, self.args.top_k, shape[-1])
         out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = (self._sequence_aux_loss_sum(scores, expert_ids, shape) if self.args.aux_loss_per_sequence
                    else self._aux_loss_sum(scores, counts))
