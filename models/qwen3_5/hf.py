@@ -18,11 +18,16 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import TOP, HFAdapter, decoder_args, decoder_config, read_decoder_config
+from titanlite.checkpoint.hf import (ACTIVATIONS, TOP, HFAdapter, decoder_args, decoder_config, on_meta,
+                                    read_decoder_config)
 from titanlite.errors import ConfigError
-from titanlite.layers.moe import MoEArgs
+from titanlite.layers.decoder import Block, Decoder
+from titanlite.layers.feed_forward import FeedForward
+from titanlite.layers.linear_attention import GatedDeltaNet
+from titanlite.layers.moe import MoE, MoEArgs
+from titanlite.layers.norm import OffsetRMSNorm
 
-from .model import LAYER_TYPES, ModelArgs
+from .model import LAYER_TYPES, GatedAttention, ModelArgs, Transformer
 
 _COMMON = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
            "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -126,6 +131,48 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
     return out
 
 
+def hidden_act(args: ModelArgs, architecture: str) -> str:
+    """The activation config.json must name, read off the model this family builds, after refusing
+    in one line what `architecture` cannot compute that the args do not show (a fork's edit to
+    model.py): a top-level forward of its own, a block that is not titanlite's Block with (1 + w)
+    norms, a mixer other than the layer type's, a weight it has no name for, a feed-forward other
+    than FeedForward or MoE, or an activation with no transformers name."""
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{architecture} cannot express this model: {what}; export a model it can compute, "
+                           "or write an adapter (models/<name>/hf.py) for an architecture that has it")
+
+    model = on_meta(Transformer, args)
+    if type(model).forward is not Decoder.forward:
+        raise refuse(f"{type(model).__qualname__} overrides Decoder.forward")
+    acts = set()
+    for i, block in model.layers.items():
+        kind = args.layer_type(int(i))
+        mixer = GatedAttention if kind == "full_attention" else GatedDeltaNet
+        norms = {type(m) for n, m in block.named_modules() if n in ("attention_norm", "ffn_norm")}
+        if type(block) is not Block or type(block.attention) is not mixer or norms != {OffsetRMSNorm}:
+            raise refuse(f"block {i} ({kind}) is {type(block).__qualname__} with {type(block.attention).__qualname__} "
+                         f"and norms {sorted(t.__name__ for t in norms)}, not Block with {mixer.__name__} and "
+                         "OffsetRMSNorm")
+        known = set(_names(kind)) | set(_FUSED[kind][0]) | set(_CONV[0]) \
+            | {f"moe.experts.{w}" for w in _EXPERT} | {"moe.router.expert_bias"}
+        unknown = sorted(set(block.state_dict()) - known)
+        if unknown:
+            raise refuse(f"block {i} has '{unknown[0]}', which it has no name for")
+        ffn = block.feed_forward if block.moe is None else block.moe.shared
+        if block.moe is not None:
+            if type(block.moe) is not MoE:
+                raise refuse(f"block {i}'s moe is {type(block.moe).__qualname__}, not titanlite.layers.moe.MoE")
+            acts.add("silu")  # the routed experts' gate (titanlite.layers.moe)
+        if ffn is not None:
+            if type(ffn) is not FeedForward or ffn.act not in ACTIVATIONS:
+                raise refuse(f"block {i}'s feed-forward is {type(ffn).__qualname__} with activation "
+                             f"{getattr(getattr(ffn, 'act', None), '__name__', None)}")
+            acts.add(ACTIVATIONS[ffn.act])
+    if len(acts) != 1:
+        raise refuse(f"its blocks mix the activations {', '.join(sorted(acts))}; config.json has one hidden_act")
+    return acts.pop()
+
+
 def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """ModelArgs -> the config.json of Qwen3_5ForCausalLM (dense) or Qwen3_5MoeForCausalLM."""
     moe = args.moe
@@ -141,8 +188,10 @@ def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta,
                          "partial_rotary_factor": args.rotary_fraction})
     if moe is None:
-        return decoder_config(args, dtype, "Qwen3_5ForCausalLM", "qwen3_5_text", **extra)
-    cfg = decoder_config(args, dtype, "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_experts=moe.num_experts,
+        return decoder_config(args, dtype, "Qwen3_5ForCausalLM", "qwen3_5_text",
+                              hidden_act=hidden_act(args, "Qwen3_5ForCausalLM"), **extra)
+    cfg = decoder_config(args, dtype, "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
+                         hidden_act=hidden_act(args, "Qwen3_5MoeForCausalLM"), num_experts=moe.num_experts,
                          num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.hidden,
                          shared_expert_intermediate_size=moe.shared_hidden, **extra)
     del cfg["intermediate_size"]
