@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from titanlite.tools.healthcheck import assess, datasheet
 
+REPO = Path(__file__).resolve().parent.parent
 OPTS = {"min_share": 0.9, "min_datasheet_share": 0.7, "tolerance": 0.25, "skip_run": True}
 LOSSES = [6.3, 6.1, 5.9, 5.7, 5.5]
 
@@ -73,3 +75,12 @@ def test_cpu_healthcheck_runs_and_fails_on_injected_faults(tmp_path):
     failed = sorted(r["check"] for r in report["rows"] if r["status"] == "FAIL")
     assert len(failed) == 2, failed
     assert proc.stdout.splitlines()[-1].startswith("health check: 2 failed")
+
+
+def test_run_train_sh_runs_the_healthcheck():
+    """./run_train.sh --healthcheck hands its flags to the health check (stopped here by a bad
+    one: exit 2 and one line)."""
+    proc = subprocess.run([str(REPO / "run_train.sh"), "--healthcheck", "--steps", "0"], cwd=REPO,
+                          env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "titanlite: error: --steps: expected a positive number, got '0'", proc.stderr

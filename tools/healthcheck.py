@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                 Path(opts["_result"]).write_text(json.dumps(result))
             return
     except ConfigError as e:
-        sys.exit(f"titanlite: error: {e}")
+        print(f"titanlite: error: {e}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(healthcheck(opts, rest))
 
 
