@@ -30,6 +30,7 @@
 # (torchdata: the stateful data loader, pure Python; torchao 0.18.0: float8, built on torch's
 # stable ABI for torch >= 2.11; 3.4 MB together.)
 set -uo pipefail
+{  # the whole script is read before it runs: a checkout that changes under a running session cannot change it
 
 OUT=$(mkdir -p "${1:-./gpu_session}" && cd "${1:-./gpu_session}" && pwd)
 cd "$(dirname "$0")/.."
@@ -159,3 +160,5 @@ for f in "$WORK"/*.json.log; do [[ -f "$f" ]] && { echo "=== $(basename "$f")"; 
 echo "=== session: $(( SECONDS - START )) s" | tee -a "$LOG"
 $PY -m titanlite.tools.gpu_session report "$WORK" "$OUT" "$TOLERANCE" 2>&1 | tee -a "$LOG"
 rm -rf "$WORK"
+exit
+}

@@ -118,7 +118,7 @@ def check_varlen(device: torch.device) -> tuple[str, str]:
         return "SKIP", "varlen runs on CUDA only"
     if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return "SKIP", f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    return _attention_pair(device, "varlen", torch.bfloat16, 2e-2)
+    return _attention_pair(device, "varlen", torch.bfloat16, 5e-2)  # two bf16 kernels: ~1e-2 apart
 
 
 def _attention_pair(device: torch.device, backend: str, dtype: torch.dtype, tol: float) -> tuple[str, str]:
@@ -162,21 +162,22 @@ def check_float8(device: torch.device) -> tuple[str, str]:
     from titanlite.parallel.float8 import apply_float8
 
     gen = torch.Generator().manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(1024, 4096, bias=False), torch.nn.Linear(4096, 1024, bias=False))
-    ref = ref.to(device, torch.bfloat16)
-    f8 = torch.nn.Sequential(*(torch.nn.Linear(m.in_features, m.out_features, bias=False) for m in ref))
-    f8 = f8.to(device, torch.bfloat16)
-    f8.load_state_dict(ref.state_dict())
+    ref = torch.nn.Linear(1024, 4096, bias=False).to(device, torch.bfloat16)
+    f8 = torch.nn.Sequential(torch.nn.Linear(1024, 4096, bias=False)).to(device, torch.bfloat16)
+    f8[0].load_state_dict(ref.state_dict())
     apply_float8([f8], dataclasses.replace(Float8(), enable=True), fsdp=False)
     x = torch.randn(4096, 1024, generator=gen).to(device, torch.bfloat16)
+    grad = torch.randn(4096, 4096, generator=gen).to(device, torch.bfloat16)
     outs = []
-    for model in (ref, f8):
-        out = model(x)
-        out.float().square().mean().backward()
-        outs.append([out.detach(), model[0].weight.grad])
+    for layer in (ref, f8[0]):
+        out = layer(x)
+        out.backward(grad)
+        outs.append([out.detach(), layer.weight.grad])
+    # e4m3 inputs and weights (3 mantissa bits) give the output ~5% relative error, the e5m2
+    # gradient (2 bits) the weight gradient ~8%; a broken float8 matmul is off by ~100%
     err = max(_rel_error(a, b) for a, b in zip(outs[1], outs[0]))
-    status = "PASS" if err <= 0.1 else "FAIL"
-    return status, f"relative error of output and weight gradient vs bf16 {err:.1e} (bound 0.1)"
+    status = "PASS" if err <= 0.15 else "FAIL"
+    return status, f"relative error of output and weight gradient vs bf16 {err:.1e} (bound 0.15)"
 
 
 FEATURES = {"compile": check_compile, "float8": check_float8, "flex": check_flex, "varlen": check_varlen}
