@@ -99,6 +99,7 @@ def run_checks() -> dict:
     init_process_group(device, 600)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    dist.barrier()  # every rank measures at once: a node's GPUs share its host, a CPU's ranks its memory
     mine = {"rank": rank, "node": rank // local, **facts(device), **hc.device_rates(device)}
     if rank in inject["slow_matmul"]:
         mine["matmul_tflops"] *= 0.5  # the test double of a slow device's measurement
