@@ -15,26 +15,11 @@ import torch
 
 import attention_parity as ap
 from titanlite.layers import attention as attn
+from titanlite.tools.gpu_attention import seam_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, sinks: bool) -> list[float]:
-    """Max abs error of the output and of q, k, v's gradients against the float32 dense reference."""
-    q, k, v, d, s = (x.cuda() for x in ap.inputs())
-    d = d if docs else None
-    grad = torch.randn(ap.B, ap.HQ, ap.S, ap.DV, generator=torch.Generator().manual_seed(1)).cuda()
-    ref_in = [x.clone().requires_grad_() for x in (q, k, v, s)]
-    ref = ap.reference(*ref_in[:3], d, window, ref_in[3] if sinks else None, 0.3)
-    (ref * grad).sum().backward()
-    mine = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, s)]
-    ctx = attn.AttnContext(document_ids=d, backend=backend, windows=(window,), seq_len=ap.S, device=q.device)
-    out = attn.attention(*mine[:3], ctx, window, mine[3] if sinks else None, 0.3)
-    (out.float() * grad).sum().backward()
-    return [(out.float() - ref).abs().max().item()] + [
-        (m.grad.float() - r.grad).abs().max().item() for m, r in zip(mine[:3], ref_in[:3])]
 
 
 @pytest.fixture
@@ -47,7 +32,7 @@ def gpu_shapes(monkeypatch):
 
 @pytest.mark.parametrize("docs,window,sinks", [(True, None, False), (False, ap.WINDOW, True), (True, ap.WINDOW, True)])
 def test_flex_forward_and_backward_match_the_dense_reference(gpu_shapes, docs, window, sinks):
-    errors = _errors("flex", torch.float32, docs, window, sinks)
+    errors = seam_errors("flex", torch.float32, docs, window, sinks)
     assert max(errors) < 1e-4, errors
 
 
@@ -56,8 +41,8 @@ def test_varlen_matches_sdpa_in_bf16(gpu_shapes, monkeypatch, window):
     """varlen runs in bf16 only: its error against the fp32 reference stays within twice sdpa's
     on the same bf16 inputs (grouped-query heads, packed documents)."""
     monkeypatch.setattr(ap, "DV", 32)  # one head dim for q, k and v
-    sdpa = _errors("sdpa", torch.bfloat16, True, window, False)
-    varlen = _errors("varlen", torch.bfloat16, True, window, False)
+    sdpa = seam_errors("sdpa", torch.bfloat16, True, window, False)
+    varlen = seam_errors("varlen", torch.bfloat16, True, window, False)
     assert all(e <= 2 * s + 2e-3 for e, s in zip(varlen, sdpa)), (varlen, sdpa)
 
 
