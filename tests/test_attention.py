@@ -60,6 +60,22 @@ def test_varlen_reads_the_document_bounds_once_a_batch(monkeypatch):
     assert seen == [([0, 2, 5, 6, 7, 12], 5)] * 3 and len(built) == 1
 
 
+def test_varlen_repeats_key_value_heads_for_a_kernel_without_enable_gqa(monkeypatch):
+    """torch 2.11's varlen_attn takes no enable_gqa: the seam hands it each query head's own key
+    and value head (query head i reads key/value head i // group, as enable_gqa would)."""
+    import torch.nn.attention.varlen as varlen
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw:
+                        calls.append((k.clone(), sorted(kw))) or torch.zeros_like(q))
+    monkeypatch.setattr(attn, "_VARLEN_GQA", False)
+    ctx = attn.AttnContext(document_ids=torch.zeros(1, 6, dtype=torch.long), backend="varlen")
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    attn.attention(q, kv, kv, ctx)
+    (k, kwargs), = calls
+    assert kwargs == ["scale", "window_size"] and k.shape == (6, 4, 8)
+    assert torch.equal(k[:, 1], kv[0, 0]) and torch.equal(k[:, 2], kv[0, 1])
+
+
 SWA = ["--model.flavor", "debugmodel_swa", *TINY[2:]]
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import attention_parity as ap  # noqa: E402  (the CPU test's cases and dense reference)
 
 
-def _errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, sinks: bool) -> list[float]:
+def seam_errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, sinks: bool) -> list[float]:
     """Max abs error of the output and of each input gradient against the float32 reference."""
     q, k, v, d, s = (x.cuda() for x in ap.inputs())
     d = d if docs else None
@@ -61,7 +61,7 @@ def parity() -> list[dict]:
     rows = []
     for name, backend, dtype, docs, window, sinks in todo:
         try:
-            errors = _errors(backend, dtype, docs, window, sinks)
+            errors = seam_errors(backend, dtype, docs, window, sinks)
         except Exception as e:  # noqa: BLE001  (reported, not hidden: the row says why)
             errors = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "errors": errors})

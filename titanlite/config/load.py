@@ -12,6 +12,7 @@ import difflib
 import inspect
 import math
 import os
+import sys
 import typing
 from pathlib import Path
 
@@ -96,12 +97,15 @@ def _set(values: dict, section: str, key: str, raw: object, from_cli: bool) -> N
 
 
 def _read_toml(path: Path) -> dict:
-    import tomli
+    if sys.version_info >= (3, 11):
+        import tomllib  # tomli, in the standard library since 3.11
+    else:
+        import tomli as tomllib
 
     try:
         with open(path, "rb") as f:
-            return tomli.load(f)
-    except tomli.TOMLDecodeError as e:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 

@@ -4,6 +4,7 @@ in one line, on every rank (and once, before launch, through `python -m titanlit
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,9 @@ def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
             raise ConfigError(f"model.attn_backend flex: torch {torch.__version__} has no FlexAttention "
                               "backward on CPU; train on CUDA or use sdpa")
     if backend == "varlen":
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            raise ConfigError(f"model.attn_backend varlen: torch {torch.__version__} has no "
+                              "torch.nn.attention.varlen; use sdpa or flex, or a newer torch")
         if not cuda:
             raise ConfigError("model.attn_backend varlen runs on CUDA only; use sdpa or flex")
         if cp > 1:

@@ -26,6 +26,7 @@ back) and each of the rank's two head-tail query chunks attends to the keys up t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -238,10 +239,25 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, _ = q.shape
     cu, longest = ctx.cache.get(("varlen", b, s), lambda: _document_bounds(ctx, b, s, q.device))
+    gqa = {"enable_gqa": h != k.shape[1]} if _VARLEN_GQA else {}
+    if h != k.shape[1] and not _VARLEN_GQA:  # torch 2.11's kernel has no enable_gqa: repeat the key/value heads
+        k, v = (x.repeat_interleave(h // x.shape[1], 1) for x in (k, v))
     packed = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (q, k, v)]
-    out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, enable_gqa=h != k.shape[1],
+    out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, **gqa,
                       window_size=(-1 if window is None else window - 1, 0))
     return out.view(b, s, h, -1).transpose(1, 2)
+
+
+def _varlen_takes_gqa() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_GQA = _varlen_takes_gqa()
+"""Whether this torch's varlen kernel shares key/value heads itself (enable_gqa, after torch 2.11)."""
 
 
 def _document_bounds(ctx: AttnContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -183,6 +183,7 @@ class StageShapes:
     hidden: tuple[int, ...]
     logits: tuple[int, ...]
     hidden_dtype: torch.dtype
+    logits_dtype: torch.dtype
 
 
 def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
@@ -197,9 +198,10 @@ def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims
     rows, seq, dim = hidden.shape
     if dims.tp > 1 and opts.sequence_parallel:
         seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
-    # FSDP computes in its parameter dtype; autocast keeps the residual stream in float32
+    # FSDP computes in its parameter dtype; autocast keeps the residual stream in float32, and
+    # either gives the output layer's logits in the parameter dtype
     dtype = opts.param_dtype if dims.fsdp else torch.float32
-    return StageShapes(tuple(tokens.shape), (rows, seq, dim), tuple(logits.shape), dtype)
+    return StageShapes(tuple(tokens.shape), (rows, seq, dim), tuple(logits.shape), dtype, opts.param_dtype)
 
 
 @dataclass
@@ -239,7 +241,8 @@ class PipelineStep:
         # the previous stage gets no gradient back
         hidden = torch.empty(sh.hidden, dtype=sh.hidden_dtype, device="meta", requires_grad=True)
         inp = torch.empty(sh.tokens, dtype=torch.long, device="meta") if s == 0 else hidden
-        out = torch.empty(sh.logits, device="meta") if s == self.plan.n_stages - 1 else hidden
+        # the last stage's declared logits carry their real dtype: torch 2.11 checks it against the output
+        out = torch.empty(sh.logits, dtype=sh.logits_dtype, device="meta") if s == self.plan.n_stages - 1 else hidden
         part.register_forward_pre_hook(_to_context(
             self.context), with_kwargs=True)
         return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
