@@ -18,6 +18,8 @@
 #                compile, deterministic mode twice bit for bit
 #   3b_compiled  the 3B step compiled
 # What the 8 minutes (GPU_SESSION_BUDGET_S=470 s of sections) cannot hold is recorded SKIP.
+# A rerun of some sections in what is left of a lease: GPU_SESSION_ONLY="healthcheck gpu_tests"
+# (facts always run; the others SKIP), and GPU_TESTS_K narrows the gpu tests (pytest -k).
 # On a machine without CUDA the same script runs in a minute or two as a smoke test: the health
 # check over two gloo ranks and the debug model's step, the GPU sections SKIP ("no CUDA").
 #
@@ -48,9 +50,17 @@ record() {  # name status seconds note
   echo "--- $1: $2 ${4:+($4)}" | tee -a "$LOG"
 }
 
+wanted() {  # name: is this section in the run (GPU_SESSION_ONLY, when set, lists them)
+  [[ -z "${GPU_SESSION_ONLY:-}" || $1 == facts || " $GPU_SESSION_ONLY " == *" $1 "* ]]
+}
+
 section() {  # name limit_s command...: run it within its limit and the session's budget
   local name=$1 limit=$2
   shift 2
+  if ! wanted "$name"; then
+    record "$name" SKIP 0 "not in GPU_SESSION_ONLY"
+    return
+  fi
   local left=$(( BUDGET - (SECONDS - START) ))
   (( limit > left )) && limit=$left
   if (( limit < 20 )); then
@@ -110,7 +120,7 @@ section facts 90 $PY -c "$FACTS"
 step() {  # name dry_json compiled(0/1) overrides...: one measured step next to its dry run
   local name=$1 dry=$2 compiled=$3
   shift 3
-  printf '%s\t%s\t%s\n' "$name" "$dry" "$compiled" >> "$WORK/steps.tsv"
+  wanted "$name" && printf '%s\t%s\t%s\n' "$name" "$dry" "$compiled" >> "$WORK/steps.tsv"
   section "$name" "$STEP_LIMIT" $PY -m titanlite.tools.gpu_session step "$WORK" "$name" "$@"
 }
 dry_run() {  # out_json overrides...: the dry run on the host CPU, beside the GPU sections
@@ -129,8 +139,8 @@ if [[ -f "$WORK/gpu" ]]; then
   GPU=$(cat "$WORK/gpu")
   TOLERANCE=0.25
   STEP_LIMIT=110
-  dry_run dry_1b.json "${L1[@]}"
-  dry_run dry_3b.json "${L3[@]}"
+  { wanted 1b_eager || wanted 1b_compiled; } && dry_run dry_1b.json "${L1[@]}"
+  dry_run dry_3b.json "${L3[@]}"  # 3b_eager's --fit reads it
   step 1b_eager dry_1b.json 0 -- "${L1[@]}"
   STEP_LIMIT=150
   step 1b_compiled dry_1b.json 1 -- "${L1[@]}" --compile.enable true
@@ -140,7 +150,7 @@ if [[ -f "$WORK/gpu" ]]; then
   STEP_LIMIT=150
   step 1b_float8 "" 1 -- "${L1[@]}" --compile.enable true --float8.enable true
   # -v: each test's verdict reaches the log even if the section's time runs out
-  section gpu_tests 150 $PY -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py
+  section gpu_tests 150 $PY -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
   step 3b_compiled dry_3b.json 1 --fit "$WORK/dry_3b.json" -- "${L3[@]}" --compile.enable true
 else
   # no CUDA: the same machinery at tiny sizes (an H100's prediction next to CPU figures, never judged),

@@ -73,8 +73,10 @@ def _tiny_model(device: torch.device, dtype: torch.dtype):
     args = model_args(spec, "debugmodel", 0, 64)
     with torch.device("meta"):
         model = spec.build(args)
-    init.materialize(model, device, seed=0)
-    return model.to(dtype)
+    # drawn on the host: init's generators live on the parameter's device, and CUDA's draws other
+    # numbers than the CPU's, so a model initialised on the GPU is another model than the host's
+    init.materialize(model, torch.device("cpu"), seed=0)
+    return model.to(device=device, dtype=dtype)
 
 
 def tiny_losses(device: torch.device, dtype: torch.dtype = torch.float32, compiled: bool = False,
