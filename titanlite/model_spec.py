@@ -18,6 +18,10 @@ import titanlite.models
 from titanlite.errors import ConfigError
 
 
+def _no_layout_checks(args: Any, dims: Any) -> None:
+    return None
+
+
 def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[Any], Any]]:
     return []
 
@@ -40,8 +44,10 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]
     """(ModelArgs, seq_len) -> training FLOPs per token (forward + backward), activated
     parameters only."""
-    check_layout: Callable[[Any, Any], None] = lambda args, dims: None
-    """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model."""
+    check_layout: Callable[[Any, Any], None] = _no_layout_checks
+    """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model, beyond
+    what titanlite checks for every family (tensor-parallel heads and widths, every parameter
+    covered by the plans: titanlite.parallel.tensor)."""
     hf: Any = None
     """titanlite.checkpoint.hf.HFAdapter mapping weights and config to transformers, if the family has one."""
     blocks: str = "layers"

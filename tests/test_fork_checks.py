@@ -1,0 +1,102 @@
+"""A fork is checked, not trusted: applying parallelism refuses, in one line naming the parameter
+and what to add, any parameter a plan would silently mishandle. In-process, on meta, on torch's
+fake process group (as the dry run, which run_train.sh runs before launching, applies them)."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from titanlite.config.job import ActivationCheckpoint, Compile
+from titanlite.errors import ConfigError
+from titanlite.model_spec import get_model_spec
+from titanlite.parallel import pipeline
+from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.mesh import ParallelDims
+
+
+def _parallelize(family: str, dims: ParallelDims, edit, sequence_parallel: bool = True) -> nn.Module:
+    """Build `family`'s debug flavor on meta, let `edit` change it as a fork would, and apply `dims`
+    as rank 0 of a fake world."""
+    from titanlite.dryrun import run  # noqa: F401  registers torch's "fake" backend, as the dry run does
+
+    world = dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp * dims.pp
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    try:
+        spec = get_model_spec(family)
+        with torch.device("meta"):
+            model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32))
+            edit(model)
+        opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+                                  sequence_parallel=sequence_parallel)
+        parallelize(model, spec, dims.build_meshes("cpu"), opts)
+        return model
+    finally:
+        dist.destroy_process_group()
+
+
+def _add_qk_norm(model: nn.Module) -> None:
+    for block in model.layers.values():
+        block.attention.q_norm = nn.RMSNorm(block.attention.head_dim)
+        block.attention.k_norm = nn.RMSNorm(block.attention.head_dim)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_parameter_the_tp_plan_leaves_plain_is_refused(sequence_parallel):
+    """Llama 3 given QK-norm without the plan entry (the guide's fork before its parallelize.py
+    edit): each rank's q_norm gradient would cover its own heads only (>100% off), silently."""
+    with pytest.raises(ConfigError) as refused:
+        _parallelize("llama3", ParallelDims(1, 1, 1, 2), _add_qk_norm, sequence_parallel)
+    assert "\n" not in str(refused.value)
+    assert re.fullmatch(r"parallelism\.tensor_parallel_degree 2: parameter layers\.0\.attention\.q_norm\.weight "
+                        r"is not covered by llama3's TP plan \(models/llama3/parallelize\.py tp_plan\); add "
+                        r"'attention\.q_norm' to TPPlan\.block \(QK-norm: decoder_plan\(\.\.\., qk_norm=True\)\).*",
+                        str(refused.value)), str(refused.value)
+    # qwen3's plan has the entry: the same parameters are covered
+    _parallelize("qwen3", ParallelDims(1, 1, 1, 2), lambda model: None, sequence_parallel)
+
+
+def test_a_top_level_parameter_outside_the_plan_is_refused():
+    def add(model):
+        model.residual_scale = nn.Parameter(torch.ones(model.args.dim))
+
+    with pytest.raises(ConfigError, match=r"parameter residual_scale is not covered by llama3's TP plan .*; add "
+                                          r"'residual_scale' to a module of its own in TPPlan\.root"):
+        _parallelize("llama3", ParallelDims(1, 1, 1, 2), add)
+
+
+def test_a_block_without_ffn_norm_runs_without_sequence_parallel():
+    """block_norms entries a block does not have are skipped with sequence parallel off too (they
+    were looked up unfiltered there: AttributeError for a fork that drops ffn_norm)."""
+    def drop(model):
+        for block in model.layers.values():
+            del block.ffn_norm
+            block.ffn_norm = None
+
+    model = _parallelize("llama3", ParallelDims(1, 1, 1, 2), drop, sequence_parallel=False)
+    assert model.layers["0"].ffn_norm is None and model.layers["0"].attention_norm.weight.placements
+
+
+def test_an_expert_parameter_expert_parallel_does_not_shard_is_refused():
+    def nest(model):
+        for block in model.layers.values():
+            block.moe.experts.scale = nn.Module()
+            block.moe.experts.scale.weight = nn.Parameter(torch.ones(block.moe.args.num_experts))
+
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree 2: the experts' parameter scale\.weight is not "
+                                          r"sharded by expert parallel"):
+        _parallelize("qwen3_moe", ParallelDims(1, 2, 1, 1, ep=2), nest)
+
+
+def test_a_top_level_module_no_pipeline_stage_lists_is_refused():
+    """Every stage would keep its own untied copy of it, trained on that stage's gradients alone."""
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32))
+    model.adapter = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"llama3's top-level 'adapter' is in no pipeline stage's list; add it "
+                                          r"to ModelSpec\.pre .* or post .* in models/llama3/__init__\.py"):
+        pipeline.cut(model, spec, 0, 1, True, False)
