@@ -100,3 +100,17 @@ def test_a_top_level_module_no_pipeline_stage_lists_is_refused():
     with pytest.raises(ConfigError, match=r"llama3's top-level 'adapter' is in no pipeline stage's list; add it "
                                           r"to ModelSpec\.pre .* or post .* in models/llama3/__init__\.py"):
         pipeline.cut(model, spec, 0, 1, True, False)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "llama3", "qwen3", "deepseek_v3"])
+def test_every_family_gets_the_tensor_parallel_shape_checks(family):
+    """Through shared code (gpt_oss and qwen3_moe never called check_tp): a degree above the
+    key/value heads is refused before launch, for every family alike."""
+    from titanlite.config import load as config_load
+    from titanlite.config.preflight import preflight
+
+    kv = get_model_spec(family).flavors["debugmodel"].n_kv_heads
+    cfg, _ = config_load.load(["--model.name", family, "--model.flavor", "debugmodel",
+                               "--parallelism.tensor_parallel_degree", str(2 * kv)])
+    with pytest.raises(ConfigError, match=rf"tensor_parallel_degree {2 * kv} exceeds n_kv_heads {kv}"):
+        preflight(cfg, 2 * kv, data=False)
