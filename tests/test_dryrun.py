@@ -341,3 +341,54 @@ def test_muon_moves_each_rank_its_shards_once_each_way():
     shard_bytes = sum(p.numel() for p in matrices) // 4 * 2
     optimizer = {(kind, g): c["bytes"] for (kind, g, phase), c in role.comms.items() if phase == "optimizer"}
     assert optimizer == {("all_to_all", "dp_shard_cp"): 2 * shard_bytes, ("all_to_all", "tp"): 2 * shard_bytes}
+
+
+@pytest.fixture
+def broken_fork(tmp_path, monkeypatch):
+    """`edit(old, new)` -> a fork of llama3 named my_bad whose model.py has `old` replaced by `new`,
+    registered for this test alone (titanlite.models' search path gets the temporary folder)."""
+    import shutil
+    import sys
+
+    import titanlite.models
+
+    folder = tmp_path / "my_bad"
+    shutil.copytree(REPO / "models" / "llama3", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "__init__.py").write_text((folder / "__init__.py").read_text().replace('name="llama3"', 'name="my_bad"'))
+    monkeypatch.setattr(titanlite.models, "__path__", [*titanlite.models.__path__, str(tmp_path)])
+    yield lambda old, new: (folder / "model.py").write_text((folder / "model.py").read_text().replace(old, new))
+    for name in [m for m in sys.modules if m.startswith("titanlite.models.my_bad")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("where", ["build", "forward"])
+def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork, capsys, where):
+    """Raised by a fork's model.py while the preflight builds the model, or in its forward while
+    the dry run traces the step: one line with the file, line and exception, and no
+    --skip-preflight (launching without the preflight fails the same way)."""
+    if where == "build":
+        broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
+    else:
+        broken_fork("        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))",
+                    "        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))\n\n"
+                    "    def forward(self, tokens, ctx=None):\n        raise NotImplementedError('my idea')")
+    with pytest.raises(SystemExit) as e:
+        main(["--check-memory", "1", "--config", "debug_model.toml", "--model.name", "my_bad"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    function = "block" if where == "build" else "forward"
+    assert re.fullmatch(r"titanlite: error: the preflight failed in the model's code, models/my_bad/model\.py "
+                        rf"line \d+ \(in {function}\): NotImplementedError: my idea; traceback in \S+", err[0]), err
+    Path(err[0].rpartition(" ")[2]).unlink()
+
+
+def test_an_error_in_the_model_s_own_code_on_a_rank_is_reported_as_the_user_s(broken_fork, capsys):
+    """The same on a rank launched without the preflight (its own preflight builds the model)."""
+    from titanlite import train
+
+    broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
+    with pytest.raises(NotImplementedError):  # the traceback stays in the rank's output
+        train.main(["--config", "debug_model.toml", "--model.name", "my_bad"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"titanlite: error: the model's code failed, models/my_bad/model\.py line \d+ \(in block\): "
+                        r"NotImplementedError: my idea", err[-1]), err

@@ -43,6 +43,7 @@ from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
 from titanlite.config.preflight import Plan, param_dtype, preflight
+from titanlite.model_spec import in_model_code
 from titanlite.runtime.profiling import Profiler
 from titanlite.step import PlainStep
 from titanlite.data.validation import Validator
@@ -276,9 +277,11 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
         where = f" [rank {rank}]" if rank else ""
         if err is None:  # a bug: its line is the run's (before a peer's consequence), its traceback stays
+            mine = in_model_code(e)
             first = (str(e).strip().splitlines() or [""])[0]
-            last_word(rank, 1, f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
-                               f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
+            last_word(rank, 1, f"titanlite: error: the model's code failed, {mine}{where}" if mine else
+                      f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
+                      f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
             raise
         last_word(rank, 1, f"titanlite: error: {err}{where}")
         # no process-group teardown: with a peer dead or diverged it can hang or abort

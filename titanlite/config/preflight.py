@@ -23,6 +23,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
+from titanlite.parallel.tensor import check_decoder_tp
 from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, check_schedule_name, plan_stages, tied_names
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
@@ -52,6 +53,7 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
     if dims.ep > 1 and getattr(args, "moe", None) is None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
                           "has no experts; set it to 1")
+    check_decoder_tp(args, dims.tp)  # every family, before its own checks
     spec.check_layout(args, dims)
     check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
     if getattr(args, "moe", None) is not None and cfg.moe.grouped_mm == "on":

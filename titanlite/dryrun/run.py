@@ -49,6 +49,7 @@ from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
 from titanlite.config.preflight import Plan, check_attention, preflight
+from titanlite.model_spec import in_model_code
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
@@ -472,6 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a titanlite bug, or a torch it does not know: one line, the traceback kept
         path = Path(tempfile.gettempdir(), f"titanlite-dryrun-{os.getpid()}.txt")
         path.write_text(traceback.format_exc())
+        mine = in_model_code(e)
+        if mine is not None:  # the model's own code: launching without the dry run fails the same way
+            print(f"titanlite: error: {what} failed in the model's code, {mine}; traceback in {path}",
+                  file=sys.stderr)
+            sys.exit(1)
         message = (str(e).strip().splitlines() or [""])[0]
         print(f"titanlite: error: {what} failed inside titanlite ({type(e).__name__}: {message}) on torch "
               f"{torch.__version__}; traceback in {path}{skip}", file=sys.stderr)

@@ -114,21 +114,39 @@ class Decoder(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Draw every parameter this module holds (a pipeline stage holds some), by name. A value
         depends only on (seed, its name, its full shape), so every layout (tensor, expert or
-        pipeline parallel) starts from the weights one process would draw."""
+        pipeline parallel) starts from the weights one process would draw. Any name has a rule
+        (`init_rule`), so a parameter a fork adds anywhere is drawn the same on every layout."""
         # parameter names are the single-device model's on every layout (nothing wraps a module)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
+            draw, std, cutoff = self.init_rule(name)
+            if std is None:
                 init.ones_(param)
-            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
-                init.normal_(param, name, seed, 1.0)
-            elif name in ("tok_embeddings.weight", "output.weight"):
-                # tied or not, drawn as the output's table, on whichever stage holds it
-                init.normal_(param, "output.weight", seed, self.args.dim ** -0.5, cutoff=3.0)
-            else:  # layers.<i>.<attention|feed_forward|moe>.[experts|shared|router].<w>[.weight]
-                layer, linear = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
-                # deeper blocks write smaller updates so the residual stream does not grow with depth
-                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
-                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
+            else:
+                init.normal_(param, draw, seed, std, cutoff)
+
+    def block_depth(self, name: str) -> int | None:
+        """The block index a parameter belongs to (`layers.<i>.…`), None outside the blocks. A
+        family with more blocks elsewhere (DeepSeek-V3's MTP depths) numbers them after these."""
+        head, _, rest = name.partition(".")
+        index = rest.partition(".")[0]
+        return int(index) if head == "layers" and index.isdigit() else None
+
+    def init_rule(self, name: str) -> tuple[str, float | None, float | None]:
+        """(the name the value is drawn for, std, truncation in stds) of parameter `name`; std None:
+        ones (a norm's scale). Tied weights are drawn under one name, on whichever stage holds them."""
+        if name.endswith("norm.weight"):
+            return name, None, None
+        if name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+            return name, 1.0, None
+        if name in ("tok_embeddings.weight", "output.weight"):
+            return "output.weight", self.args.dim ** -0.5, 3.0
+        depth = self.block_depth(name)
+        linear = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if depth is not None and linear in ("wo", "w2", "w3"):
+            # deeper blocks write smaller updates so the residual stream does not grow with depth
+            return name, 0.02 / (2 * (depth + 1)) ** 0.5, 3.0
+        # every other weight and bias, a fork's own top-level parameters included
+        return name, 0.02, 3.0
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits

@@ -165,11 +165,26 @@ class GroupedExperts(nn.Module):
                                       nn.Parameter(torch.empty(num_experts, hidden))) if biases else (None,) * 3)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.mode = mode
+        self.reset_parameters()
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
         self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
         """How counts reach the host; the dry run swaps in a balanced load."""
         self.grouped: Callable[..., torch.Tensor] = grouped_swiglu
         """The grouped-GEMM path; per-block compile swaps in its compiled form (titanlite.parallel.apply)."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Give every weight and bias a value drawn from torch's global generator, as nn.Linear does
+        for each expert's (out, in) slice, so a model built on a real device holds no uninitialised
+        memory and is the same for one `torch.manual_seed`. On meta there is nothing to fill; the
+        trainer's values come from the model's init_weights (titanlite.layers.init) either way."""
+        if self.w1.is_meta:
+            return
+        for weight, bias in ((self.w1, self.b1), (self.w2, self.b2), (self.w3, self.b3)):
+            bound = weight.shape[-1] ** -0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) and bias bound
+            nn.init.uniform_(weight, -bound, bound)
+            if bias is not None:
+                nn.init.uniform_(bias, -bound, bound)
 
     def _pick(self, x: torch.Tensor) -> bool:
         reason = "forced off by moe grouped_mm = off" if self.mode == "off" else grouped_mm_supported(

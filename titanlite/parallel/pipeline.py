@@ -144,6 +144,14 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
     """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
+    kept = {spec.blocks, *spec.pre, *spec.post}
+    # every stage would hold its own untied copy of these, trained on that stage's gradients alone
+    stray = [f"module '{n}'" for n, _ in model.named_children() if n not in kept]
+    stray += [f"parameter '{n}' (hold it in a module of its own)" for n, _ in model.named_parameters(recurse=False)]
+    if stray:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s top-level {stray[0]} is in no "
+                          f"pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
+                          f"(after them) in models/{spec.name}/__init__.py")
     if not is_first:
         for name in spec.pre:
             setattr(model, name, nn.Identity())
