@@ -241,6 +241,17 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, eps=norm_eps)
         self.wo = nn.Linear(n_v_heads * v_head_dim, dim, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Give the convolutions values from torch's global generator, as a depthwise nn.Conv1d
+        does (uniform within 1/sqrt(kernel)), so a model built on a real device holds no
+        uninitialised memory; the trainer's values come from the model's init_weights either way."""
+        for w in (self.conv_q, self.conv_k, self.conv_v):
+            if not w.is_meta:
+                bound = w.shape[-1] ** -0.5
+                nn.init.uniform_(w, -bound, bound)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 ctx: AttnContext | None = None) -> torch.Tensor:
