@@ -10,7 +10,7 @@ from attention_parity import run as seam_parity
 from harness import REPO, TINY, launch, spawn_ranks
 
 from titanlite.config import load as config_load
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 from titanlite.errors import ConfigError
 from titanlite.layers import attention as attn
 from titanlite.models.llama3 import flavors

@@ -273,7 +273,7 @@ def test_empty_sources(tmp_path):
 
 def test_vocab_check(hf_folder):  # noqa: F811
     from titanlite.data.tokenizer import build_tokenizer
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import preflight
 
     n = build_tokenizer(str(hf_folder)).vocab_size
     assert 256 < n <= 512  # the debug model embeds 512 rows

@@ -94,7 +94,7 @@ def test_shards_read_as_one_stream(tmp_path, monkeypatch):
 
 
 def test_token_folder_refusals(tmp_path, hf_folder):  # noqa: F811
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import preflight
 
     folder = tmp_path / "tk"
     writer = TokenFolderWriter(folder, BYTE, "byte", 10**6)

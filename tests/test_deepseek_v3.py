@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titanlite.config import load as config_load
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoE

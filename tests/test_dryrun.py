@@ -22,7 +22,7 @@ from titanlite.config import load as config
 
 from titanlite.dryrun import run as dryrun_module
 
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 from titanlite.dryrun import hardware
 from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec

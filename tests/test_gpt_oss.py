@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 import titanlite
 from titanlite.checkpoint.dcp import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
-from titanlite.config.preflight import check_attention
+from titanlite.preflight import check_attention
 from titanlite.errors import ConfigError
 from titanlite.layers import rope
 from titanlite.layers.attention import AttnContext, attention

@@ -24,7 +24,7 @@ from functools import partial
 
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
-from titanlite.config.preflight import Plan, preflight
+from titanlite.preflight import Plan, preflight
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.run import dry_config, dry_run, report, split_flags
 from titanlite.errors import ConfigError

@@ -42,7 +42,7 @@ from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
-from titanlite.config.preflight import Plan, param_dtype, preflight
+from titanlite.preflight import Plan, param_dtype, preflight
 from titanlite.runtime.profiling import Profiler
 from titanlite.step import PlainStep
 from titanlite.data.validation import Validator

@@ -50,7 +50,7 @@ def write_folder(kind: str, folder: Path) -> int:
 
     from titanlite.checkpoint.hf import write_hf_folder
     from titanlite.config import load as config_load
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import preflight
 
     name, flavor = MODELS[kind]
     cfg, _ = config_load.load(["--model.name", name, "--model.flavor", flavor])

@@ -48,7 +48,7 @@ from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.config.preflight import Plan, check_attention, preflight
+from titanlite.preflight import Plan, check_attention, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
