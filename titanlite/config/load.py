@@ -276,9 +276,33 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
 
 
-def _check_data(d: Data, v: Validation) -> None:
-    from titanlite.data.sources import check_source, parse_mix
+def check_source(path: str, key: str = "data.path") -> None:
+    """Cheap existence check for config validation (no files are read)."""
+    if path and not path.startswith("hf:") and not Path(path).exists():
+        raise ConfigError(f"{key}: '{path}' does not exist")
 
+
+def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
+    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
+    out = []
+    for entry in spec:
+        source, colon, weight = entry.strip().rpartition(":")
+        try:
+            w = float(weight) if colon else float("nan")
+        except ValueError:
+            w = float("nan")
+        if not w > 0 or w == float("inf"):
+            raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
+                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
+        if source in (s for s, _ in out):
+            raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
+        out.append((source, w))
+    if len(out) < 2:
+        raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
+    return out
+
+
+def _check_data(d: Data, v: Validation) -> None:
     if d.mix:
         if d.path:
             raise ConfigError("data.mix and data.path are both set; put every source in data.mix")
