@@ -22,7 +22,7 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, check_schedule_name, plan_stages, tied_names
+from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, plan_stages, tied_names
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
 
@@ -85,7 +85,6 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
         preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         model = spec.build(args)
-    check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
     return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
 

@@ -36,9 +36,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from titanlite.config.job import CHOICES
 from titanlite.parallel.context import chunks_of, gather_sequence
 
-BACKENDS = ("sdpa", "flex", "varlen")
+BACKENDS = CHOICES["model.attn_backend"]
 QUERY_BLOCK = 512
 """Queries per masked SDPA call: bounds a block's mask (and the math kernel's scores) at
 QUERY_BLOCK x its keys."""

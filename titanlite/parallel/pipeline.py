@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Pipel
                                                     get_schedule_class)
 
 from titanlite.layers.attention import AttnContext
-from titanlite.config.job import Parallelism
+from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import extra_losses, loss_context
 from titanlite.model_spec import ModelSpec
@@ -36,8 +36,7 @@ from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.step import Batch, StepOutput, count_targets
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-             "DualPipeV")
+SCHEDULES = CHOICES["parallelism.pipeline_parallel_schedule"]
 # Schedules with two stages per rank placed in a V (first and last stage on rank 0)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input and weight gradients (the graph is kept between them)
@@ -82,17 +81,10 @@ def split_blocks(n_blocks: int, n_stages: int, first_less: int, last_less: int) 
     return counts
 
 
-def check_schedule_name(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule '{name}'; "
-                          f"use one of {', '.join(SCHEDULES)}")
-
-
 def plan_stages(cfg: Parallelism, n_blocks: int, local_batch_size: int) -> StagePlan:
     """Stage count and block ranges, or a ConfigError naming the key to change."""
     pp, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
     key = "parallelism.pipeline_parallel_"
-    check_schedule_name(name)
     mbs = cfg.pipeline_parallel_microbatch_size
     if mbs < 1 or local_batch_size % mbs:
         raise ConfigError(f"{key}microbatch_size {mbs} does not divide training.local_batch_size "
