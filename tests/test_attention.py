@@ -53,7 +53,7 @@ def test_varlen_reads_the_document_bounds_once_a_batch(monkeypatch):
                         seen.append((cu.tolist(), longest)) or torch.zeros_like(q))
     real = attn._document_bounds
     monkeypatch.setattr(attn, "_document_bounds", lambda *a: built.append(1) or real(*a))
-    ctx = attn.AttnContext(document_ids=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]), backend="varlen")
+    ctx = attn.AttnSetup("varlen").context(document_ids=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]))
     q = torch.randn(2, 4, 6, 8)
     for _ in range(3):  # three layers
         assert attn.attention(q, q[:, :2], q[:, :2], ctx).shape == q.shape

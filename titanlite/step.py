@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnSetup
 from titanlite.loss import IGNORE_INDEX, extra_losses, loss_context
 
 Batch = dict[str, torch.Tensor]
@@ -52,9 +52,8 @@ class PlainStep:
     model: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     loss_parallel: bool
-    context: Callable[..., AttnContext]
-    """(positions, document_ids, seq_len=, device=) -> the batch's attention context (cp group,
-    backend and the model's windows bound)."""
+    attn: AttnSetup
+    """The model's attention setup (backend, windows, cp), which makes each batch's context."""
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
     inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
@@ -65,7 +64,8 @@ class PlainStep:
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
-        ctx = self.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1], device=ids.device)
+        ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
+                                device=ids.device)
         with self.autocast:
             logits = self.model(batch["input_ids"], ctx)
         return self.loss_fn(logits, batch["labels"])

@@ -9,7 +9,6 @@ clipping, the optimizer, the hooks, checkpoint, metrics and validation.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ from titanlite.runtime import fault
 from titanlite.runtime import gc_control
 
 from titanlite.layers import init
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnSetup
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader
@@ -82,16 +81,15 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
-    cp_group = meshes.cp.get_group() if plan.dims.cp > 1 else None
-    windows = tuple({plan.args.window(i) for i in range(plan.args.n_layers)})
-    context = functools.partial(AttnContext, cp_group=cp_group, backend=cfg.model.attn_backend, windows=windows)
+    cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
+    attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
     loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, context, meshes.dp_cp.get_group(), autocast, inject)
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast, inject)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
-                                 loss_fn, opts, context, autocast, device, shapes, inject)
+                                 loss_fn, opts, attn, autocast, device, shapes, inject)
 
 
 def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
                                                     get_schedule_class)
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import extra_losses, loss_context
@@ -156,12 +156,12 @@ def stage_modules(spec: ModelSpec, args, stages: StagePlan, meshes: Meshes) -> l
             for s in stages.stages_of(meshes.pp.get_local_rank(), meshes.dims.pp)]
 
 
-def _to_context(make_ctx: Callable) -> Callable:
+def _to_context(attn: AttnSetup) -> Callable:
     """A forward pre-hook: a stage is called as part(x, positions=..., document_ids=...) (the
     schedule chunks keyword tensors along the batch, for every stage); the model wants part(x, ctx)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0]
-        return (x, make_ctx(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
+        return (x, attn.context(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
                             device=x.device, tokens=kwargs.get("tokens"))), {}
     return hook
 
@@ -207,8 +207,8 @@ class PipelineStep:
     meshes: Meshes
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     opts: ParallelizeOptions
-    context: Callable[..., AttnContext]
-    """(positions, document_ids, seq_len=, device=) -> a micro-batch's attention context."""
+    attn: AttnSetup
+    """The model's attention setup (backend, windows, cp), which makes each micro-batch's context."""
     autocast: contextlib.AbstractContextManager
     device: torch.device
     shapes: StageShapes
@@ -232,8 +232,7 @@ class PipelineStep:
         hidden = torch.empty(sh.hidden, dtype=sh.hidden_dtype, device="meta", requires_grad=True)
         inp = torch.empty(sh.tokens, dtype=torch.long, device="meta") if s == 0 else hidden
         out = torch.empty(sh.logits, device="meta") if s == self.plan.n_stages - 1 else hidden
-        part.register_forward_pre_hook(_to_context(
-            self.context), with_kwargs=True)
+        part.register_forward_pre_hook(_to_context(self.attn), with_kwargs=True)
         return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
                              group=self.meshes.pp.get_group())
 
