@@ -56,8 +56,6 @@ class PlainStep:
     """The model's attention setup (backend, windows, cp), which makes each batch's context."""
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
-    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss)."""
     mirrors: tuple[nn.Parameter, ...] = ()
     """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
     gradient norm counts them once, through the original."""
@@ -77,7 +75,7 @@ class PlainStep:
             for batch in batches:
                 # loss parallel must cover the backward too
                 with loss_context(self.loss_parallel):
-                    loss = self.inject(self._loss_sum(batch))
+                    loss = self._loss_sum(batch)
                     (loss / n_targets).backward()
                 loss_sum += loss.detach()
         return StepOutput(loss_sum, n_targets, extra)

@@ -34,7 +34,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
-from titanlite.loss import build_loss_fn
+from titanlite.loss import LossFn, build_loss_fn
 from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from titanlite.optim import build_optimizers, by_mesh, warmup_note
 from titanlite.parallel import context, float8, pipeline
@@ -76,20 +76,20 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: to
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device: torch.device, inject=lambda loss: loss) -> PlainStep | pipeline.PipelineStep:
-    """The step object for this layout (train.py and the dry run pick it the same way)."""
+               device: torch.device, loss_fn: LossFn) -> PlainStep | pipeline.PipelineStep:
+    """The step object for this layout (train.py and the dry run pick it the same way);
+    `loss_fn`: titanlite.loss.build_loss_fn's, or that wrapped (fault injection)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
-    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast, inject)
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
-                                 loss_fn, opts, attn, autocast, device, shapes, inject)
+                                 loss_fn, opts, attn, autocast, device, shapes)
 
 
 def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -141,7 +141,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout)
-    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
+    loss_fn = guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel))
+    train_step = build_step(cfg, plan, parts, meshes, opts, device, loss_fn)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups (a tied pipeline's pairs)
     if rank == 0:

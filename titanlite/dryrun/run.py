@@ -43,6 +43,7 @@ from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
 from titanlite.layers import init
 from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
+from titanlite.loss import build_loss_fn
 from titanlite.optim import build_optimizers, by_mesh
 from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import local_grad_sq
@@ -158,7 +159,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             init.to_empty(part, "cpu")  # a tied weight counted once, as a real run holds it
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
-        step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
+        step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"),
+                          build_loss_fn(cfg.compile, opts.loss_parallel))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]

@@ -212,8 +212,6 @@ class PipelineStep:
     autocast: contextlib.AbstractContextManager
     device: torch.device
     shapes: StageShapes
-    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss), on the last stage's losses."""
 
     def __post_init__(self) -> None:
         ids = self.plan.stages_of(self.meshes.pp.get_local_rank(), self.meshes.dims.pp)
@@ -273,7 +271,7 @@ class PipelineStep:
         return cls(stages, n_microbatches=self.plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.inject(self.loss_fn(logits, labels))
+        loss = self.loss_fn(logits, labels)
         self._sums.append(loss.detach())
         return loss / self._n_targets
 

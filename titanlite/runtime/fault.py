@@ -211,8 +211,14 @@ class Guard:
     def _injected(self, kind: str) -> bool:
         return (kind, self.step, self.rank) in self.faults or (kind, self.step, None) in self.faults
 
-    def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if self._injected("nan") else loss
+    def faulty_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`loss_fn`, non-finite in the training step that a `nan` fault names (validation,
+        under no_grad, is left alone)."""
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            out = loss_fn(logits, labels)
+            return out * float("nan") if torch.is_grad_enabled() and self._injected("nan") else out
+        return loss
 
     def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One all-reduce over the world. Returns the global gradient norm and a device flag,
