@@ -1,4 +1,7 @@
-"""Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step."""
+"""Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step.
+
+Several runs may share a dump folder: each row of metrics.jsonl names its run (`run`), the
+first row of a run or a resume says so (`begins`), and TensorBoard events go to tb/<run>/."""
 
 from __future__ import annotations
 
@@ -35,12 +38,22 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def default_run_name(model: str, flavor: str) -> str:
+    """job.run_name when empty: the model, its flavor and the start time."""
+    return f"{model}-{flavor}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 class MetricsLogger:
     """Writes only on rank 0; other ranks hold a disabled instance so call sites stay simple."""
 
-    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool):
+    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool,
+                 start_step: int = 0, config_text: str = ""):
+        """`start_step`: the step the run resumes after (0: a fresh start); `config_text`: the
+        run's config, written to TensorBoard as text."""
         self.enabled = enabled
         self.writer = None
+        self.run_name = run_name
+        self.begins: str | None = "start" if start_step == 0 else f"resume after step {start_step}"
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -49,14 +62,23 @@ class MetricsLogger:
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(folder / "tb" / (run_name or time.strftime("%Y%m%d-%H%M%S"))))
+            self.writer = SummaryWriter(str(folder / "tb" / run_name))
+            if config_text:
+                # markdown: a code block keeps the TOML's lines and indentation
+                self.writer.add_text("config", "```toml\n" + config_text + "\n```", start_step)
+
+    def _row(self, row: dict) -> None:
+        """One line of metrics.jsonl, named by the run; the run's first says where it begins."""
+        row = {**row, "run": self.run_name}
+        if self.begins is not None:
+            row["begins"], self.begins = self.begins, None
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
 
     def log(self, step: int, values: dict[str, float | None], eta_s: float) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **values}
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._row({"step": step, **values})
         if self.writer is not None:
             for key, value in values.items():
                 if value is not None:  # a model's extra losses and hook scalars under train/
@@ -71,8 +93,7 @@ class MetricsLogger:
         """A row of its own: {"step", "val_loss"}; TensorBoard tag loss/validation."""
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
-        self.jsonl.flush()
+        self._row({"step": step, "val_loss": loss})
         if self.writer is not None:
             self.writer.add_scalar("loss/validation", loss, step)
         print(f"step {step:6d}  val_loss {loss:.4f}", flush=True)

@@ -35,7 +35,7 @@ from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.loss import LossFn, build_loss_fn
-from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
+from titanlite.metrics import MetricsLogger, default_run_name, device_peak_flops, peak_memory_gib
 from titanlite.optim import build_optimizers, by_mesh, warmup_note
 from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
@@ -135,7 +135,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         return None
     start_step = ckpt.maybe_load()
 
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
+                            config_load.to_toml(cfg))
     flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
     peak_flops = device_peak_flops(device)
     stop_line = None

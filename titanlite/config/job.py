@@ -14,7 +14,8 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for metrics, TensorBoard events and checkpoints."""
     run_name: str = ""
-    """TensorBoard run name under <dump_folder>/tb/; empty means a timestamp."""
+    """Names the run's TensorBoard folder <dump_folder>/tb/<run_name> and its rows in
+    <dump_folder>/metrics.jsonl (`run`); empty: <model>-<flavor>-<start time>."""
     description: str = ""
     """Free text shown at start-up."""
     shutdown_timeout_s: int = 25
