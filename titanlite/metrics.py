@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Dense bf16 peak FLOP/s (no sparsity) by device-name fragment; unknown devices get no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -41,6 +42,45 @@ def peak_memory_gib(device: torch.device) -> float:
 def default_run_name(model: str, flavor: str) -> str:
     """job.run_name when empty: the model, its flavor and the start time."""
     return f"{model}-{flavor}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def reduce_losses(loss_sum: torch.Tensor, extra: dict[str, torch.Tensor], n_targets: torch.Tensor,
+                  names: tuple[str, ...], tp_replicated: tuple[str, ...], tp_first: bool) -> dict[str, float]:
+    """The step's loss and each extra term `names` per target token, over all ranks in one
+    all-reduce: tensor-parallel ranks hold the same loss sum (counted once, on the first) but
+    extra terms over the tokens each rank routed (a MoE layer's tp ranks route different
+    sequence shards), except those `tp_replicated` names."""
+    zero = torch.zeros_like(loss_sum)
+    sums = torch.stack([loss_sum if tp_first else zero,
+                        *(extra.get(n, zero) if tp_first or n not in tp_replicated else zero for n in names)])
+    dist.all_reduce(sums)
+    values = (sums / n_targets).tolist()
+    return {"loss": values[0], **dict(zip(names, values[1:]))}
+
+
+class Throughput:
+    """Tokens per second per device and MFU since the last logged step, and the time left."""
+
+    def __init__(self, start_step: int, final_step: int, tokens_per_step: int, flops_per_token: float,
+                 peak_flops: float | None, world_size: int):
+        self.start_step, self.final_step = start_step, final_step
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops, self.world_size = peak_flops, world_size
+        self.start = self.last = time.perf_counter()
+        self.last_step = start_step
+
+    def __call__(self, step: int) -> tuple[dict[str, float | None], float]:
+        """({tokens_per_sec, mfu_pct}, eta in seconds) at `step`, which becomes the last logged."""
+        now = time.perf_counter()
+        tokens_per_sec = (step - self.last_step) * self.tokens_per_step / (now - self.last) / self.world_size
+        mfu = None if self.peak_flops is None else 100 * tokens_per_sec * self.flops_per_token / self.peak_flops
+        eta = (now - self.start) / (step - self.start_step) * (self.final_step - step)
+        self.last, self.last_step = now, step
+        return {"tokens_per_sec": tokens_per_sec, "mfu_pct": mfu}, eta
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (validation) out of the next tokens_per_sec."""
+        self.last += seconds
 
 
 class MetricsLogger:

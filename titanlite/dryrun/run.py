@@ -44,9 +44,9 @@ from titanlite.dryrun.hardware import GIB
 from titanlite.layers import init
 from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
 from titanlite.loss import build_loss_fn
-from titanlite.optim import build_optimizers, by_mesh
+from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
-from titanlite.parallel.grad_norm import local_grad_sq
+from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
 from titanlite.preflight import Plan, check_attention, preflight
@@ -190,14 +190,12 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             watch.reduce_partial_grads(params)
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
-            stats = torch.stack([grad_sq, out.loss_sum])
-            dist.all_reduce(stats)  # the guard's one world all-reduce: gradient norm and verdict
-            if t.max_norm > 0:
-                for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
-                    torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, stats[0].sqrt(), foreach=True)
+            # the step's one world all-reduce: gradient norm and the guard's two votes
+            norm, _ = global_norm(grad_sq, torch.stack([torch.zeros_like(out.loss_sum), out.loss_sum]))
+            clip_grads(params, t.max_norm, norm)
             optimizers.step(None)
             for hook in hooks:
-                hook(torch.zeros_like(stats[0]))  # the guard's skip flag, a device scalar
+                hook(torch.zeros_like(norm))  # the guard's skip flag, a device scalar
         for h in handles:
             h.remove()
         watch.close()
