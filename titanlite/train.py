@@ -56,10 +56,9 @@ def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> Parallelize
                               sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
 
 
-def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: torch.device | None,
-                seed: int) -> list[nn.Module]:
-    """This rank's model parts, parallelized and initialised (one part: the whole model).
-    With no device they stay on meta, uninitialised (the dry run fills them with fake tensors)."""
+def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn.Module]:
+    """This rank's model parts, parallelized, on meta (one part: the whole model); train()
+    materializes them, the dry run fills them with fake tensors."""
     with torch.device("meta"):
         if plan.stages is None:
             parts = [plan.spec.build(plan.args)]
@@ -67,9 +66,6 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: to
             parts = pipeline.stage_modules(plan.spec, plan.args, plan.stages, meshes)
     for part in parts:
         parallelize(part, plan.spec, meshes, opts)
-        if device is not None:
-            init.materialize(part, device, seed)
-            part.train()
     return parts
 
 
@@ -163,7 +159,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
     dtype = param_dtype(t.mixed_precision_param, device)
     opts = parallelize_options(cfg, dims, dtype)
-    parts = build_parts(plan, meshes, opts, device, t.seed)
+    parts = build_parts(plan, meshes, opts)
+    for part in parts:  # the same values on every layout: f(seed, name, full shape)
+        init.materialize(part, device, t.seed)
+        part.train()
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
     fused_optimizer = cfg.optimizer.implementation == "fused"
     dp_rank = meshes.dp.get_local_rank()

@@ -49,7 +49,7 @@ from titanlite.parallel import context, float8
 from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.preflight import Plan, check_attention, preflight
+from titanlite.preflight import Plan, check_attention, make_plan, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
@@ -149,7 +149,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
     t, dims, n = cfg.training, plan.dims, stage_depth(plan)
     plan = shallow_plan(plan, n_blocks)
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
-    parts = build_parts(plan, meshes, opts, None, t.seed)  # on meta, outside fake mode: mesh bookkeeping is real
+    parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     tracer = StepTracer(group_names(meshes))
@@ -252,7 +252,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     backend = cfg.model.attn_backend
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
-    plan = preflight(cfg, world_size, data=False)  # a dry run reads no data: it plans any size of job
+    plan = make_plan(cfg, world_size)  # a dry run reads no data: it plans any size of job
     check_attention(backend, plan.args, plan.dims.cp, device == "cuda")
     dims, ac = plan.dims, cfg.activation_checkpoint
     for r in ranks or []:
