@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnContext, AttnSetup
 from titanlite.config.job import ActivationCheckpoint, Compile, LRScheduler, Optimizer, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, extra_losses, loss_context
@@ -92,7 +92,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parallelize(part, spec, meshes, opts)
             init.materialize(part, torch.device("cpu"), 0)
         shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
-        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnContext,
+        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnSetup(),
                                      contextlib.nullcontext(), torch.device("cpu"), shapes)
         step([{"input_ids": inputs[mine], "labels": labels[mine]}])
         mirrors = step.mirrors

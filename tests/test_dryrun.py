@@ -22,7 +22,7 @@ from titanlite.config import load as config
 
 from titanlite.dryrun import run as dryrun_module
 
-from titanlite.config.preflight import preflight
+from titanlite.preflight import make_plan
 from titanlite.dryrun import hardware
 from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec
@@ -51,7 +51,7 @@ def test_configs_dry_run_by_hand_pass_preflight_at_their_scale(name):
     path = REPO / "train_configs" / f"{name}.toml"
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])
-    plan = preflight(cfg, ngpu, data=False)
+    plan = make_plan(cfg, ngpu)
     assert plan.n_params * 16 / ngpu / 2**30 < 80, (name, plan.n_params, ngpu)
 
 

@@ -135,10 +135,10 @@ def test_every_family_gets_the_tensor_parallel_shape_checks(family):
     """Through shared code (gpt_oss and qwen3_moe never called check_tp): a degree above the
     key/value heads is refused before launch, for every family alike."""
     from titanlite.config import load as config_load
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import make_plan
 
     kv = get_model_spec(family).flavors["debugmodel"].n_kv_heads
     cfg, _ = config_load.load(["--model.name", family, "--model.flavor", "debugmodel",
                                "--parallelism.tensor_parallel_degree", str(2 * kv)])
     with pytest.raises(ConfigError, match=rf"tensor_parallel_degree {2 * kv} exceeds n_kv_heads {kv}"):
-        preflight(cfg, 2 * kv, data=False)
+        make_plan(cfg, 2 * kv)

@@ -26,7 +26,7 @@ from functools import partial
 
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
-from titanlite.config.preflight import Plan, preflight
+from titanlite.preflight import Plan, make_plan
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.run import dry_config, dry_run, report, split_flags
 from titanlite.errors import ConfigError
@@ -186,7 +186,7 @@ def layout_of(cfg: JobConfig, plan: Plan) -> Layout:
 
 def _base(argv: list[str], ngpu: int) -> tuple[JobConfig, Plan]:
     cfg, _ = config_load.load(argv)
-    return cfg, preflight(dry_config(cfg), ngpu, data=False)
+    return cfg, make_plan(dry_config(cfg), ngpu)
 
 
 def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8, top: int = 5,

@@ -40,7 +40,7 @@ def seam_errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None
     ref = ap.reference(*leaves[:3], d, window, leaves[3] if sinks else None, 0.3)
     (ref * grad_out).sum().backward()
     mine = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, s)]
-    ctx = attn.AttnContext(document_ids=d, backend=backend, windows=(window,), seq_len=ap.S, device=q.device)
+    ctx = attn.AttnSetup(backend, (window,)).context(document_ids=d, seq_len=ap.S, device=q.device)
     out = attn.attention(*mine[:3], ctx, window, mine[3] if sinks else None, 0.3)
     (out.float() * grad_out).sum().backward()
     errors = [(out.float() - ref).abs().max().item()]
@@ -81,8 +81,7 @@ def _timed(backend: str, kind: str, seq: int) -> dict:
     grad = torch.randn(1, hq, seq, dim, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
-        ctx = attn.AttnContext(document_ids=docs, backend=backend, windows=(window,), seq_len=seq,
-                               device=q.device)
+        ctx = attn.AttnSetup(backend, (window,)).context(document_ids=docs, seq_len=seq, device=q.device)
         attn.attention(q, k, v, ctx, window, sinks).backward(grad)
 
     for _ in range(3):

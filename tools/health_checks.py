@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titanlite.layers import init
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnContext, AttnSetup
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.tools.bench import matmul_rate
 
@@ -133,7 +133,7 @@ def _attention_pair(device: torch.device, backend: str, dtype: torch.dtype, tol:
     results = []
     for name in ("sdpa", backend):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        ctx = AttnContext(document_ids=docs, backend=name, windows=(None,), seq_len=256, device=device)
+        ctx = AttnSetup(backend=name, windows=(None,)).context(document_ids=docs, seq_len=256, device=device)
         out = attention(*leaves, ctx)
         out.backward(grad)
         results.append([out.detach(), *(x.grad for x in leaves)])

@@ -1,5 +1,5 @@
 """How Qwen3 is parallelized: its tensor-parallel plan (the layouts its shapes
-allow are checked for every family by titanlite.config.preflight and titanlite.parallel.tensor).
+allow are checked for every family by titanlite.preflight and titanlite.parallel.tensor).
 titanlite.parallel.apply applies every dimension in one order for every family."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def document_starts(ctx: AttnContext | None, seq_len: int) -> torch.Tensor | Non
     batch is one causal stream (no document ids)."""
     if ctx is None or ctx.document_ids is None:
         return None
-    if ctx.cp_group is not None:  # preflight refuses it (models/qwen3_5/parallelize.py); API callers get this
+    if ctx.setup.cp is not None:  # preflight refuses it (models/qwen3_5/parallelize.py); API callers get this
         raise ValueError("linear attention under context parallel is not implemented; set parallelism.cp = 1")
     docs = ctx.document_ids[:, :seq_len]
     starts = torch.zeros_like(docs, dtype=torch.bool)

@@ -84,7 +84,7 @@ class TokenParallel(ParallelStyle):
 
 
 def check_decoder_tp(args: Any, tp: int) -> None:
-    """What every family's shapes must allow under tensor parallel (titanlite.config.preflight calls
+    """What every family's shapes must allow under tensor parallel (titanlite.preflight calls
     it for all of them): whole KV heads per rank and heads and vocabulary divisible. Every other
     split width (FFN hidden units, MLA projections) is checked where the plan splits it (`apply_tp`)."""
     if tp > 1:

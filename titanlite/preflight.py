@@ -23,8 +23,8 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
+from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, plan_stages, tied_names
 from titanlite.parallel.tensor import check_decoder_tp
-from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, check_schedule_name, plan_stages, tied_names
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
 
@@ -44,9 +44,20 @@ class Plan:
     """The pipeline stages (None without pipelining)."""
 
 
-def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
-    """All checks that need no process group, so bad input fails fast on every rank. `data=False`
-    (the dry run, which reads no data) leaves the data sources and their size unchecked."""
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """All checks that need no process group, so bad input fails fast on every rank: the plan,
+    then the data (its sources, and enough of it for a batch and for validation)."""
+    plan = make_plan(cfg, world_size)
+    probe_data(cfg.data, cfg.validation)
+    t = cfg.training
+    preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                   t.local_batch_size, plan.dims.dp)
+    return plan
+
+
+def make_plan(cfg: JobConfig, world_size: int) -> Plan:
+    """The Plan, and every check of it that reads no data (the dry run and the planner plan any
+    size of job without it)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
@@ -70,8 +81,6 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
                           "launch it without torchrun or with --nproc_per_node=1")
-    if data:
-        probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -84,11 +93,8 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
-    if data:
-        preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         model = spec.build(args)
-    check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
     return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
 
