@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch titanlite training with torchrun.
-#   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--print-plan] [--section.key VALUE ...]
+#   [NGPU=N] ./run_train.sh [--config FILE] [--skip-preflight] [--print-plan] [--healthcheck] [--section.key VALUE ...]
 # FILE may be a bare name in train_configs/ (default: debug_model.toml). Multi-node: set NNODES, NODE_RANK and
 # RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
 set -euo pipefail
@@ -21,6 +21,8 @@ has_config=0
 for arg in "$@"; do
   case "$arg" in --config | --config=* | --job.config_file | --job.config_file=*) has_config=1 ;; esac
 done
+# (the health check's own default job is llama3 1B at the node's size: it gets no default config)
+case " $* " in *" --healthcheck "*) has_config=1 ;; esac
 if (( ! has_config )); then set -- --config debug_model.toml "$@"; fi
 
 case " $* " in
@@ -30,6 +32,12 @@ case " $* " in
     rest=()
     for arg in "$@"; do [[ "$arg" == --print-plan ]] || rest+=("$arg"); done
     exec python -m titanlite.plan --ngpu $((NGPU * NNODES)) ${rest[@]+"${rest[@]}"} ;;
+  # the health check of this node's NGPU GPUs (titanlite.tools.healthcheck), run on every node as a
+  # job is: its collectives span the nodes through NNODES/NODE_RANK/RDZV_ENDPOINT; no training
+  *" --healthcheck "*)
+    rest=()
+    for arg in "$@"; do [[ "$arg" == --healthcheck ]] || rest+=("$arg"); done
+    exec python -m titanlite.tools.healthcheck --ngpu "$NGPU" ${rest[@]+"${rest[@]}"} ;;
 esac
 
 # --skip-preflight: launch without the dry run below (if it fails inside titanlite, it says so)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.layers import attention as attn
-from titanlite.parallel.context import gather_sequence, shard_sequence
+from titanlite.parallel.context import ContextParallel, gather_sequence, shard_sequence
 
 B, HQ, HKV, S, DQK, DV = 2, 4, 2, 64, 16, 8
 WINDOW = 21  # straddles the 16-token chunks of cp 2 and the 16-query blocks below
@@ -89,7 +89,8 @@ def run(cp: int = 1, tp: int = 1) -> int:
         mine = [x.detach().requires_grad_(grad) for x in mine]
         my_sinks = leaves[3][heads].detach().requires_grad_(grad) if use_sinks else None
         positions = shard_sequence(torch.arange(S)[None], cp_rank, cp) if cp > 1 else None
-        ctx = attn.AttnContext(positions, d, cp_group, backend)
+        cp_shards = ContextParallel.of(cp_group) if cp > 1 else None
+        ctx = attn.AttnSetup(backend, cp=cp_shards).context(positions, d)
         out = attn.attention(*mine, ctx, window, my_sinks, scale)
         full = gather_sequence(out, cp_group, dim=2) if cp > 1 else out
         errors = [(full - ref[:, heads]).abs().max().item()]

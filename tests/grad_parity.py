@@ -6,7 +6,7 @@ LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N] [muon]` (nosp: tensor parallel w
 parallel; ep=N: expert parallel; rep=N: N HSDP replicas; muon: also one Muon step, each parameter's
 update compared) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages, either with
 `layers=N` to build the flavor with N blocks (two stages per rank need more blocks than a debug
-flavor may have); several layouts share one launch. Every rank builds the single-device model too
+flavor may have) and `model=NAME` to check another model than MODEL; several layouts share one launch. Every rank builds the single-device model too
 and compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient
 is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnContext, AttnSetup
 from titanlite.config.job import ActivationCheckpoint, Compile, LRScheduler, Optimizer, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
 from titanlite.loss import cross_entropy_sum, extra_losses, loss_context
@@ -92,7 +92,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parallelize(part, spec, meshes, opts)
             init.materialize(part, torch.device("cpu"), 0)
         shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
-        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnContext,
+        step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnSetup(),
                                      contextlib.nullcontext(), torch.device("cpu"), shapes)
         step([{"input_ids": inputs[mine], "labels": labels[mine]}])
         mirrors = step.mirrors
@@ -146,6 +146,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 
 def run_layout(name: str, words: list[str]) -> bool:
     flags = [w for w in words if "=" in w or w in ("nosp", "muon")]
+    name = next((f.partition("=")[2] for f in flags if f.startswith("model=")), name)
     ep, rep, layers = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), default)
                        for k, default in (("ep=", 1), ("rep=", 1), ("layers=", 0)))
     if words[0] == "pp":

@@ -10,7 +10,7 @@ from attention_parity import run as seam_parity
 from harness import REPO, TINY, launch, spawn_ranks
 
 from titanlite.config import load as config_load
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 from titanlite.errors import ConfigError
 from titanlite.layers import attention as attn
 from titanlite.models.llama3 import flavors
@@ -53,11 +53,27 @@ def test_varlen_reads_the_document_bounds_once_a_batch(monkeypatch):
                         seen.append((cu.tolist(), longest)) or torch.zeros_like(q))
     real = attn._document_bounds
     monkeypatch.setattr(attn, "_document_bounds", lambda *a: built.append(1) or real(*a))
-    ctx = attn.AttnContext(document_ids=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]), backend="varlen")
+    ctx = attn.AttnSetup("varlen").context(document_ids=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]))
     q = torch.randn(2, 4, 6, 8)
     for _ in range(3):  # three layers
         assert attn.attention(q, q[:, :2], q[:, :2], ctx).shape == q.shape
     assert seen == [([0, 2, 5, 6, 7, 12], 5)] * 3 and len(built) == 1
+
+
+def test_varlen_repeats_key_value_heads_for_a_kernel_without_enable_gqa(monkeypatch):
+    """torch 2.11's varlen_attn takes no enable_gqa: the seam hands it each query head's own key
+    and value head (query head i reads key/value head i // group, as enable_gqa would)."""
+    import torch.nn.attention.varlen as varlen
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw:
+                        calls.append((k.clone(), sorted(kw))) or torch.zeros_like(q))
+    monkeypatch.setattr(attn, "_VARLEN_GQA", False)
+    ctx = attn.AttnSetup(backend="varlen").context(document_ids=torch.zeros(1, 6, dtype=torch.long))
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    attn.attention(q, kv, kv, ctx)
+    (k, kwargs), = calls
+    assert kwargs == ["scale", "window_size"] and k.shape == (6, 4, 8)
+    assert torch.equal(k[:, 1], kv[0, 0]) and torch.equal(k[:, 2], kv[0, 1])
 
 
 SWA = ["--model.flavor", "debugmodel_swa", *TINY[2:]]

@@ -156,7 +156,7 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "pp_above_blocks": (["--parallelism.pipeline_parallel_degree", "8"], {"NGPU": "8"},
                             "parallelism.pipeline_parallel_degree 8 exceeds the model's 4 blocks"),
         "pp_schedule_unknown": (["--parallelism.pipeline_parallel_schedule", "Zigzag"], {},
-                                "parallelism.pipeline_parallel_schedule: unknown schedule 'Zigzag'; use one of GPipe"),
+                                "parallelism.pipeline_parallel_schedule: 'Zigzag' is not one of GPipe"),
         "pp_microbatch_indivisible": (["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
                                        "--parallelism.pipeline_parallel_microbatch_size", "3"], {"NGPU": "2"},
                                       "parallelism.pipeline_parallel_microbatch_size 3 does not divide"),
@@ -217,13 +217,13 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "muon_momentum", "muon_ns_steps", "on_nonfinite", "on_spike", "rollback_no_checkpoint",
               "skip_samples_bad", "straggler_ratio_one", "tp_zero", "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
-              "checkpoint_folder_escapes")
+              "checkpoint_folder_escapes", "pp_schedule_unknown")
 
 # Refused by the trainer's preflight, the launcher's second process (each a torch import,
 # about 6 CPU seconds): run through that process's main in this one.
 PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_world", "global_batch_indivisible",
-             "seq_len_past_rope", "vocab_below_tokenizer", "vocab_too_large", "no_cuda", "tokenizer_corrupt", "dump_folder_is_file",
-             "dump_folder_under_file", "pp_above_blocks", "pp_schedule_unknown", "pp_microbatch_indivisible",
+             "seq_len_past_rope", "vocab_below_tokenizer", "vocab_too_large", "no_cuda", "tokenizer_corrupt",
+             "dump_folder_is_file", "dump_folder_under_file", "pp_above_blocks", "pp_microbatch_indivisible",
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
              "val_steps_above_split")

@@ -20,8 +20,8 @@ from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.config.preflight import preflight
 from titanlite.model_spec import get_model_spec
+from titanlite.preflight import preflight
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "10"]
@@ -79,6 +79,7 @@ def test_resume_is_bitwise_on_one_rank(straight1, tmp_path):
     assert (tmp_path / "checkpoint" / "step-10").is_dir()
     second = train(1, job(1, 20), dump=tmp_path)
     assert "resumed from" in second.output and [r["step"] for r in second.metrics] == list(range(1, 21))
+    assert [r.get("begins") for r in second.metrics if "begins" in r] == ["start", "resume after step 10"]
     assert second.losses == train_losses(straight1)
     assert_same_tensors(straight1 / "checkpoint" / "step-20", tmp_path / "checkpoint" / "step-20")
 

@@ -9,7 +9,7 @@ from titanlite.errors import ConfigError
 from titanlite.config.load import load
 from titanlite.optim import lr_factor, warmup_note
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 
 
 def write(tmp_path, text):

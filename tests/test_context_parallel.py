@@ -14,7 +14,7 @@ from titanlite.layers.attention import AttnContext
 from titanlite.errors import ConfigError
 from titanlite.parallel.context import shard_sequence
 from titanlite.data.loader import document_spans
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 DOCS = ["--data.document_mask", "true"]

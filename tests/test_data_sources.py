@@ -16,7 +16,8 @@ from titanlite.config import load as config_load
 from titanlite.config.job import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader, build_dataset, mix_schedule, token_stream
-from titanlite.data.sources import parse_mix, read_documents
+from titanlite.config.load import parse_mix
+from titanlite.data.sources import read_documents
 
 # the test extra installs these: a missing one must fail, not skip
 import datasets  # noqa: E402
@@ -273,7 +274,7 @@ def test_empty_sources(tmp_path):
 
 def test_vocab_check(hf_folder):  # noqa: F811
     from titanlite.data.tokenizer import build_tokenizer
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import preflight
 
     n = build_tokenizer(str(hf_folder)).vocab_size
     assert 256 < n <= 512  # the debug model embeds 512 rows

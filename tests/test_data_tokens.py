@@ -110,7 +110,7 @@ def test_a_key_the_source_ignores_gets_a_warning(tmp_path):
 
 
 def test_token_folder_refusals(tmp_path, hf_folder):  # noqa: F811
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import preflight
 
     folder = tmp_path / "tk"
     writer = TokenFolderWriter(folder, BYTE, "byte", 10**6)

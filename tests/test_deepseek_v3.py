@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titanlite.config import load as config_load
-from titanlite.config.preflight import preflight
+from titanlite.preflight import make_plan, preflight
 import titanlite
 from titanlite.checkpoint.dcp import load_hf_weights, load_tensors
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
@@ -165,10 +165,9 @@ def test_a_folder_transformers_saved_loads_its_weights_and_seeds_the_mtp_depth(t
     monkeypatch.setitem(flavors, "tiny", dataclasses.replace(flavors["debugmodel"], **flavor))
     job = ["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--training.seq_len", "64",
            "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.initial_load_format", "hf"]
-    preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path)])[0], 1, data=False)
+    make_plan(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path)])[0], 1)
     with pytest.raises(ConfigError, match="short has no 'norm.weight'"):
-        preflight(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path / "short")])[0], 1,
-                  data=False)
+        make_plan(config_load.load([*job, "--checkpoint.initial_load_path", str(tmp_path / "short")])[0], 1)
 
 
 def _quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from titanlite.config import load as config
 
 from titanlite.dryrun import run as dryrun_module
 
-from titanlite.config.preflight import preflight
+from titanlite.preflight import make_plan
 from titanlite.dryrun import hardware
 from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec
@@ -30,8 +30,10 @@ from titanlite.dryrun.steptrace import OWN_FLOPS, PHASES
 from torch.utils.flop_counter import flop_registry
 
 # Dry-run by hand at their scale (docs/scaling.md), not here: 17-30 s each on two cores, and
-# 150-225 s for DeepSeek-V3 671B and Kimi K2 at 512 GPUs (three pipeline roles, 256-384 experts)
-BY_HAND = {"gpt_oss_20b", "gpt_oss_120b", "deepseek_v3_16b", "deepseek_v3_671b", "kimi_k2"}
+# 150-225 s for DeepSeek-V3 671B and Kimi K2 at 512 GPUs (three pipeline roles, 256-384 experts);
+# Qwen3.5 9B took 198 s at 64 GPUs (its chunk scans trace one op per chunk and block)
+BY_HAND = {"gpt_oss_20b", "gpt_oss_120b", "deepseek_v3_16b", "deepseek_v3_671b", "kimi_k2", "qwen3_5_9b",
+           "qwen3_5_35b_a3b"}
 CONFIGS = sorted(p for p in (REPO / "train_configs").glob("*.toml") if p.stem not in BY_HAND)
 
 
@@ -49,7 +51,7 @@ def test_configs_dry_run_by_hand_pass_preflight_at_their_scale(name):
     path = REPO / "train_configs" / f"{name}.toml"
     ngpu = _scale(path)
     cfg, _ = config.load(["--config", str(path)])
-    plan = preflight(cfg, ngpu, data=False)
+    plan = make_plan(cfg, ngpu)
     assert plan.n_params * 16 / ngpu / 2**30 < 80, (name, plan.n_params, ngpu)
 
 
@@ -339,3 +341,54 @@ def test_muon_moves_each_rank_its_shards_once_each_way():
     shard_bytes = sum(p.numel() for p in matrices) // 4 * 2
     optimizer = {(kind, g): c["bytes"] for (kind, g, phase), c in role.comms.items() if phase == "optimizer"}
     assert optimizer == {("all_to_all", "dp_shard_cp"): 2 * shard_bytes, ("all_to_all", "tp"): 2 * shard_bytes}
+
+
+@pytest.fixture
+def broken_fork(tmp_path, monkeypatch):
+    """`edit(old, new)` -> a fork of llama3 named my_bad whose model.py has `old` replaced by `new`,
+    registered for this test alone (titanlite.models' search path gets the temporary folder)."""
+    import shutil
+    import sys
+
+    import titanlite.models
+
+    folder = tmp_path / "my_bad"
+    shutil.copytree(REPO / "models" / "llama3", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "__init__.py").write_text((folder / "__init__.py").read_text().replace('name="llama3"', 'name="my_bad"'))
+    monkeypatch.setattr(titanlite.models, "__path__", [*titanlite.models.__path__, str(tmp_path)])
+    yield lambda old, new: (folder / "model.py").write_text((folder / "model.py").read_text().replace(old, new))
+    for name in [m for m in sys.modules if m.startswith("titanlite.models.my_bad")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("where", ["build", "forward"])
+def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork, capsys, where):
+    """Raised by a fork's model.py while the preflight builds the model, or in its forward while
+    the dry run traces the step: one line with the file, line and exception, and no
+    --skip-preflight (launching without the preflight fails the same way)."""
+    if where == "build":
+        broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
+    else:
+        broken_fork("        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))",
+                    "        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))\n\n"
+                    "    def forward(self, tokens, ctx=None):\n        raise NotImplementedError('my idea')")
+    with pytest.raises(SystemExit) as e:
+        main(["--check-memory", "1", "--config", "debug_model.toml", "--model.name", "my_bad"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    function = "block" if where == "build" else "forward"
+    assert re.fullmatch(r"titanlite: error: the preflight failed in the model's code, models/my_bad/model\.py "
+                        rf"line \d+ \(in {function}\): NotImplementedError: my idea; traceback in \S+", err[0]), err
+    Path(err[0].rpartition(" ")[2]).unlink()
+
+
+def test_an_error_in_the_model_s_own_code_on_a_rank_is_reported_as_the_user_s(broken_fork, capsys):
+    """The same on a rank launched without the preflight (its own preflight builds the model)."""
+    from titanlite import train
+
+    broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
+    with pytest.raises(NotImplementedError):  # the traceback stays in the rank's output
+        train.main(["--config", "debug_model.toml", "--model.name", "my_bad"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"titanlite: error: the model's code failed, models/my_bad/model\.py line \d+ \(in block\): "
+                        r"NotImplementedError: my idea", err[-1]), err

@@ -178,19 +178,20 @@ LATE_STOP = """
 import os, signal, sys, torch
 import torch.distributed as dist
 from titanlite.config.job import Comm, Training
+from titanlite.parallel.grad_norm import global_norm
 from titanlite.runtime.fault import Guard, RunError
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 guard = Guard(0, sys.argv[1], Comm(), Training(), shutdown_timeout_s=60, start_step=2)
 guard.start_step(3)
 os.kill(os.getpid(), signal.SIGTERM)
-_, bad = guard.end_step(torch.tensor(1.0), torch.tensor(4.0), read_now=False)
-assert guard.signal_name == "SIGTERM" and not guard.stop and bad.item() == 0
+bad = guard.decide(*global_norm(torch.tensor(4.0), guard.votes(torch.tensor(1.0))), read_now=False)
+assert guard.vote.signal_name == "SIGTERM" and not guard.verdict.stop and bad.item() == 0
 guard.start_step(4)
 try:
-    guard.end_step(torch.tensor(float("nan")), torch.tensor(4.0), read_now=False)
+    guard.decide(*global_norm(torch.tensor(4.0), guard.votes(torch.tensor(float("nan")))), read_now=False)
 except RunError as e:
     print("raised:", e, flush=True)
-print("stop:", guard.stop, flush=True)
+print("stop:", guard.verdict.stop, flush=True)
 guard.close()
 """
 

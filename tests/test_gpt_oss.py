@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 import titanlite
 from titanlite.checkpoint.dcp import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
-from titanlite.config.preflight import check_attention
+from titanlite.preflight import check_attention
 from titanlite.errors import ConfigError
 from titanlite.layers import rope
-from titanlite.layers.attention import AttnContext, attention
+from titanlite.layers.attention import AttnSetup, attention
 from titanlite.models.gpt_oss import SPEC, activated_params, flavors
 from titanlite.models.gpt_oss.model import Transformer
 from titanlite.parallel.mesh import ParallelDims
@@ -212,7 +212,7 @@ def test_bad_attention_and_layout_input_is_refused_in_one_line():
         check_attention("varlen", args, cp=1, cuda=True)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="varlen cannot apply attention sinks"):
-        attention(q, q, q, AttnContext(backend="varlen"), sinks=torch.zeros(2))
+        attention(q, q, q, AttnSetup("varlen").context(), sinks=torch.zeros(2))
     with pytest.raises(ConfigError, match="expert_parallel_degree 3 does not divide"):
         SPEC.check_layout(args, ParallelDims(1, 3, 1, 1, ep=3))
     with pytest.raises(ConfigError, match="multiple of it"):

@@ -10,7 +10,7 @@ from titanlite.layers import moe
 from titanlite.errors import ConfigError
 from titanlite.models.qwen3_moe import SPEC, flavors
 from titanlite.parallel.mesh import ParallelDims
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 
 MOE = ["--model.name", "qwen3_moe", "--training.seq_len", "64"]
 

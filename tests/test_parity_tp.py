@@ -8,7 +8,7 @@ from harness import TINY, Run, assert_grad_parity, assert_parity, reference, tra
 
 from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 
 GLOBAL4 = [*TINY, "--training.global_batch_size", "4"]
 

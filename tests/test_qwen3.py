@@ -17,7 +17,7 @@ from titanlite.tools.convert import main as convert_main
 from titanlite.data.loader import build_dataloader
 from titanlite.checkpoint.hf import read_config, read_safetensors
 from titanlite.data.tokenizer import ByteTokenizer
-from titanlite.config.preflight import preflight
+from titanlite.preflight import preflight
 
 import transformers  # noqa: E402
 

@@ -276,3 +276,25 @@ def test_titanlite_has_no_import_cycle_and_no_file_over_500_lines():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+# Low to high: a package imports only from tiers below its own. config is a leaf (the checks
+# that need checkpoint, data or parallel live in titanlite.preflight); layers know nothing of
+# parallel (the static facts of a run reach them as objects: titanlite.layers.attention.AttnSetup).
+TIERS = [{"errors"}, {"config"}, {"loss", "data", "optim", "runtime", "metrics", "model_spec"}, {"layers"},
+         {"step"}, {"checkpoint", "parallel"}, {"preflight", "__init__"}, {"train"}, {"dryrun"}, {"plan"}]
+
+
+def test_titanlite_packages_import_only_the_tiers_below_them():
+    tier = {pkg: i for i, pkgs in enumerate(TIERS) for pkg in pkgs}
+    upward = []
+    for path in (REPO / "titanlite").rglob("*.py"):
+        parts = path.relative_to(REPO / "titanlite").parts
+        if parts[0] in ("models", "tools"):
+            continue  # model families and tools sit outside the framework's import graph
+        pkg = parts[0].removesuffix(".py")
+        assert pkg in tier, f"titanlite/{pkg} has no tier in TIERS: place it"
+        for dep in {m.split(".")[1] for m in _imports(path, "") if m.count(".")} - {pkg, "models"}:
+            if tier[dep] >= tier[pkg]:
+                upward.append(f"{path.relative_to(REPO)} imports titanlite.{dep}")
+    assert not upward, upward

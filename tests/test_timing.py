@@ -55,7 +55,7 @@ def test_planner_finds_fitting_layouts_best_first(tmp_path, capsys):
 
     out = tmp_path / "plan.json"
     planner.main(["--config", "debug_model.toml", "--training.seq_len", "128", "--ngpu", "2", "--top", "2",
-                  "--budget-s", "10", "--out", str(out)])
+                  "--max-traces", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     tps = [r["predicted"]["tokens_per_sec_per_gpu"] for r in result["layouts"]]
     assert 1 <= len(tps) <= 2 and tps == sorted(tps, reverse=True)
@@ -65,11 +65,40 @@ def test_planner_finds_fitting_layouts_best_first(tmp_path, capsys):
     assert "best" in capsys.readouterr().out
 
 
+def test_planner_answer_does_not_depend_on_the_clock(monkeypatch):
+    """The search stops after --max-traces traces, never on time: on a machine where every
+    call of the clock takes 1000 s it ranks the same layouts. The dry run is a stand-in (a
+    prediction from the layout's degrees), so nothing is traced."""
+    import types
+
+    from titanlite import plan as planner
+    from titanlite.dryrun import hardware
+
+    def fake_dry_run(job, ngpu):
+        p, ac = job.parallelism, job.activation_checkpoint.mode
+        tps = 1000 + 10 * p.data_parallel_shard_degree - 7 * p.tensor_parallel_degree - 3 * p.pipeline_parallel_degree
+        return {"roles": [{"memory_gib": {"peak": 1.0}}],
+                "predicted": {"tokens_per_sec_per_gpu": tps - {"none": 0, "selective": 1, "full": 2}[ac], "mfu_pct": 1.0}}
+
+    monkeypatch.setattr(planner, "dry_run", fake_dry_run)
+    monkeypatch.setattr(planner, "report", lambda result, gpu: result)
+    argv, gpu = ["--config", "debug_model.toml", "--training.seq_len", "128"], hardware.get_gpu("h100")
+    quiet = planner.search(argv, 8, gpu, top=3, max_traces=4, log=lambda *a: None)
+    clock = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(planner, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    busy = planner.search(argv, 8, gpu, top=3, max_traces=4, log=lambda *a: None)
+    assert busy["layouts"] == quiet["layouts"] and len(quiet["layouts"]) == 3
+    assert busy["searched"]["traced"] == quiet["searched"]["traced"] == 4
+    assert busy["searched"]["stopped"] == "4 layouts traced (--max-traces)"
+    assert busy["searched"]["seconds"] >= 1000
+
+
 @pytest.mark.parametrize("argv, expect", [
     (["--ngpu", "8", "--top", "0"], "--top: expected a positive integer, got '0'"),
     (["--ngpu", "x"], "--ngpu: expected a positive integer, got 'x'"),
     ([], "--ngpu is required"),
     (["--ngpu", "8", "--gpu", "v100"], "--gpu: unknown GPU 'v100'"),
+    (["--ngpu", "8", "--budget-s", "150"], "--budget-s is gone"),
 ])
 def test_planner_bad_input_is_one_line(argv, expect, capsys):
     from titanlite import plan as planner

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from titanlite.config.load import load, to_toml
 
 TAGS = {"loss/train", "train/grad_norm", "train/lr", "perf/tokens_per_sec", "memory/peak_gib"}
-KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "skipped_steps", "epoch"}
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "skipped_steps", "epoch", "run"}
 
 
 def run_sh(args, ngpu=1, timeout=600):
@@ -31,11 +31,13 @@ def test_default_job_loss_falls_and_metrics_are_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 10, 20]
-    assert all(set(r) == KEYS for r in rows)
+    assert set(rows[0]) == KEYS | {"begins"} and all(set(r) == KEYS for r in rows[1:])
+    assert rows[0]["begins"] == "start" and {r["run"] for r in rows} == {"r"}
     assert rows[-1]["loss"] < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
     events = EventAccumulator(str(tmp_path / "tb" / "r"))
     events.Reload()
     assert TAGS <= set(events.Tags()["scalars"])
+    assert "config/text_summary" in events.Tags()["tensors"]
     assert [e.value for e in events.Scalars("loss/train")] == pytest.approx([r["loss"] for r in rows])
 
 

@@ -15,6 +15,8 @@ from torch.utils.checkpoint import checkpoint
 from titanlite.config.job import Compile
 
 IGNORE_INDEX = -100
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits, labels) -> the summed token loss."""
 CHUNK_BYTES = 1 << 28
 """The float32 logits (this rank's vocabulary shard) the loss holds for one chunk of tokens."""
 

@@ -1,4 +1,7 @@
-"""Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step."""
+"""Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step.
+
+Several runs may share a dump folder: each row of metrics.jsonl names its run (`run`), the
+first row of a run or a resume says so (`begins`), and TensorBoard events go to tb/<run>/."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # Dense bf16 peak FLOP/s (no sparsity) by device-name fragment; unknown devices get no MFU.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -36,12 +40,61 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def default_run_name(model: str, flavor: str) -> str:
+    """job.run_name when empty: the model, its flavor and the start time."""
+    return f"{model}-{flavor}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def reduce_losses(loss_sum: torch.Tensor, extra: dict[str, torch.Tensor], n_targets: torch.Tensor,
+                  names: tuple[str, ...], tp_replicated: tuple[str, ...], tp_first: bool) -> dict[str, float]:
+    """The step's loss and each extra term `names` per target token, over all ranks in one
+    all-reduce: tensor-parallel ranks hold the same loss sum (counted once, on the first) but
+    extra terms over the tokens each rank routed (a MoE layer's tp ranks route different
+    sequence shards), except those `tp_replicated` names."""
+    zero = torch.zeros_like(loss_sum)
+    sums = torch.stack([loss_sum if tp_first else zero,
+                        *(extra.get(n, zero) if tp_first or n not in tp_replicated else zero for n in names)])
+    dist.all_reduce(sums)
+    values = (sums / n_targets).tolist()
+    return {"loss": values[0], **dict(zip(names, values[1:]))}
+
+
+class Throughput:
+    """Tokens per second per device and MFU since the last logged step, and the time left."""
+
+    def __init__(self, start_step: int, final_step: int, tokens_per_step: int, flops_per_token: float,
+                 peak_flops: float | None, world_size: int):
+        self.start_step, self.final_step = start_step, final_step
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops, self.world_size = peak_flops, world_size
+        self.start = self.last = time.perf_counter()
+        self.last_step = start_step
+
+    def __call__(self, step: int) -> tuple[dict[str, float | None], float]:
+        """({tokens_per_sec, mfu_pct}, eta in seconds) at `step`, which becomes the last logged."""
+        now = time.perf_counter()
+        tokens_per_sec = (step - self.last_step) * self.tokens_per_step / (now - self.last) / self.world_size
+        mfu = None if self.peak_flops is None else 100 * tokens_per_sec * self.flops_per_token / self.peak_flops
+        eta = (now - self.start) / (step - self.start_step) * (self.final_step - step)
+        self.last, self.last_step = now, step
+        return {"tokens_per_sec": tokens_per_sec, "mfu_pct": mfu}, eta
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (validation) out of the next tokens_per_sec."""
+        self.last += seconds
+
+
 class MetricsLogger:
     """Writes only on rank 0; other ranks hold a disabled instance so call sites stay simple."""
 
-    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool):
+    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool,
+                 start_step: int = 0, config_text: str = ""):
+        """`start_step`: the step the run resumes after (0: a fresh start); `config_text`: the
+        run's config, written to TensorBoard as text."""
         self.enabled = enabled
         self.writer = None
+        self.run_name = run_name
+        self.begins: str | None = "start" if start_step == 0 else f"resume after step {start_step}"
         if not enabled:
             return
         folder = Path(dump_folder)
@@ -50,14 +103,23 @@ class MetricsLogger:
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(folder / "tb" / (run_name or time.strftime("%Y%m%d-%H%M%S"))))
+            self.writer = SummaryWriter(str(folder / "tb" / run_name))
+            if config_text:
+                # markdown: a code block keeps the TOML's lines and indentation
+                self.writer.add_text("config", "```toml\n" + config_text + "\n```", start_step)
+
+    def _row(self, row: dict) -> None:
+        """One line of metrics.jsonl, named by the run; the run's first says where it begins."""
+        row = {**row, "run": self.run_name}
+        if self.begins is not None:
+            row["begins"], self.begins = self.begins, None
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
 
     def log(self, step: int, values: dict[str, float | str | None], eta_s: float) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **values}
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._row({"step": step, **values})
         if self.writer is not None:
             for key, value in values.items():
                 if value is not None and not isinstance(value, str):  # a model's extra losses and hook scalars under train/
@@ -74,8 +136,7 @@ class MetricsLogger:
         """A row of its own: {"step", "val_loss"}; TensorBoard tag loss/validation."""
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
-        self.jsonl.flush()
+        self._row({"step": step, "val_loss": loss})
         if self.writer is not None:
             self.writer.add_scalar("loss/validation", loss, step)
         print(f"step {step:6d}  val_loss {loss:.4f}", flush=True)

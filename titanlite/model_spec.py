@@ -9,13 +9,20 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.nn as nn
 
 import titanlite.models
 from titanlite.errors import ConfigError
+
+
+def _no_layout_checks(args: Any, dims: Any) -> None:
+    return None
 
 
 def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[Any], Any]]:
@@ -40,8 +47,10 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]
     """(ModelArgs, seq_len) -> training FLOPs per token (forward + backward), activated
     parameters only."""
-    check_layout: Callable[[Any, Any], None] = lambda args, dims: None
-    """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model."""
+    check_layout: Callable[[Any, Any], None] = _no_layout_checks
+    """(ModelArgs, ParallelDims) -> raise ConfigError if the layout cannot serve the model, beyond
+    what titanlite checks for every family (tensor-parallel heads and widths, every parameter
+    covered by the plans: titanlite.parallel.tensor)."""
     hf: Any = None
     """titanlite.checkpoint.hf.HFAdapter mapping weights and config to transformers, if the family has one."""
     blocks: str = "layers"
@@ -80,6 +89,27 @@ def get_model_spec(name: str) -> ModelSpec:
     return spec
 
 
+def in_model_code(exc: BaseException) -> str | None:
+    """The one-line report of an exception a model family's own code raised: "models/<name>/<file>
+    line N (in F): Type: message" at the innermost frame in a family folder, or None when no
+    family's code is on its traceback (then it is titanlite's, or torch's)."""
+    roots = [Path(folder).resolve() for folder in titanlite.models.__path__]
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    # raised in a worker process (the dry run traces ranks in a multiprocessing pool): its frames
+    # come back only as the text of the cause, a multiprocessing.pool.RemoteTraceback
+    remote = getattr(exc.__cause__, "tb", None)
+    if isinstance(remote, str):
+        frames += [(f, int(n), fn) for f, n, fn in re.findall(r'File "(.+)", line (\d+), in (\S+)', remote)]
+    if isinstance(exc, SyntaxError) and exc.filename:  # the file never ran: no frame of its own
+        frames.append((exc.filename, exc.lineno, "<module>"))
+    for filename, line, function in reversed(frames):
+        path = Path(filename).resolve()
+        for root in (r for r in roots if path.is_relative_to(r)):
+            message = (str(exc).strip().splitlines() or [""])[0]
+            return f"models/{path.relative_to(root)} line {line} (in {function}): {type(exc).__name__}: {message}"
+    return None
+
+
 def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None) -> Any:
     """The flavor's args with config overrides applied and checked (`moe`: the [moe] section,
     for families whose args carry titanlite.layers.moe.MoEArgs as `moe`)."""
@@ -94,7 +124,7 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
     updates = {"max_seq_len": seq_len, "context_len": args.context_len or args.max_seq_len}
     if vocab_size:
         updates["vocab_size"] = vocab_size
-    if moe is not None and hasattr(args, "moe"):
+    if moe is not None and getattr(args, "moe", None) is not None:  # a family may have dense flavors (None)
         updates["moe"] = dataclasses.replace(args.moe, aux_loss_coeff=moe.aux_loss_coeff,
                                              bias_update_rate=moe.bias_update_rate, grouped_mm=moe.grouped_mm)
     elif moe is not None and moe != type(moe)():

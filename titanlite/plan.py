@@ -1,7 +1,7 @@
 """Which layout to run a model on N GPUs: enumerate, bound, trace the few that can win.
 
     python -m titanlite.plan --config X --ngpu N [--gpu h100] [--gpus-per-node 8] [--top K] [--out F]
-                             [--budget-s S] [--section.key value ...]
+                             [--max-traces T] [--section.key value ...]
 
 Every layout of the job at the config's global batch (dp replicate x shard, tp within a node, cp,
 pp with each schedule and micro-batch size, ep for MoE families, activation checkpointing, the
@@ -10,7 +10,9 @@ bound of its per-rank memory and an upper bound of its tokens/s (its FLOPs at th
 matmul rate, the schedule's bubble, tensor parallel's collectives at link speed). Those that
 cannot fit are dropped; the rest are dry-run (titanlite.dryrun) best bound first, until the next
 bound, scaled by the best ratio of prediction to bound seen so far, cannot reach the K-th best
-layout that fits with a margin, or the time budget is spent. docs/scaling.md, "The planner".
+layout that fits with a margin, or T layouts have been traced (default 8). The search is bounded by
+work, not time, so the same command gives the same layouts on any machine, however busy.
+docs/scaling.md, "The planner".
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from functools import partial
 
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
-from titanlite.config.preflight import Plan, preflight
+from titanlite.preflight import Plan, make_plan
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.run import dry_config, dry_run, report, split_flags
 from titanlite.errors import ConfigError
@@ -184,11 +186,11 @@ def layout_of(cfg: JobConfig, plan: Plan) -> Layout:
 
 def _base(argv: list[str], ngpu: int) -> tuple[JobConfig, Plan]:
     cfg, _ = config_load.load(argv)
-    return cfg, preflight(dry_config(cfg), ngpu, data=False)
+    return cfg, make_plan(dry_config(cfg), ngpu)
 
 
 def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8, top: int = 5,
-           budget_s: float = 150.0, log=partial(print, flush=True)) -> dict:
+           max_traces: int = 8, log=partial(print, flush=True)) -> dict:
     """The planner: the best `top` layouts that fit, and what the search did."""
     start = time.perf_counter()
     cfg, plan = _base(argv, ngpu)
@@ -199,7 +201,7 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
     own = layout_of(cfg, plan)
     fits = sorted((c for c in cands if c[1].peak_bytes <= limit),
                   key=lambda c: (c[0] != own, -c[1].tokens_per_sec_per_gpu))
-    found, traced, stop, speed, memory, skipped, longest = [], 0, "every candidate traced or ruled out", {}, {}, 0, 0.0
+    found, traced, stop, speed, memory, skipped = [], 0, "every candidate traced or ruled out", {}, {}, 0
     for lay, b in fits:
         kth = sorted((r["predicted"]["tokens_per_sec_per_gpu"] for r in found), reverse=True)[top - 1:top]
         # the bounds leave out what the trace sees (memory-bound ops, FSDP's traffic, latencies):
@@ -210,17 +212,16 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
         if kth and b.tokens_per_sec_per_gpu * ratio < kth[0] or b.peak_bytes * grown > limit:
             skipped += 1
             continue
-        if time.perf_counter() - start + longest > budget_s:
-            stop = f"the {budget_s:.0f} s budget would run out"
+        if traced == max_traces:
+            stop = f"{max_traces} layouts traced (--max-traces)"
             break
-        began = time.perf_counter()
         try:
             job, _ = config_load.load([*argv, *lay.overrides()])
             rep = report(dry_run(job, ngpu), gpu)
         except ConfigError as e:
             log(f"  skipped {lay.describe()}: {e}")
             continue
-        traced, longest = traced + 1, max(longest, time.perf_counter() - began)
+        traced += 1
         peak = max(r["memory_gib"]["peak"] for r in rep["roles"]) * hardware.GIB
         tps = rep["predicted"]["tokens_per_sec_per_gpu"]
         speed[_shape(lay)] = max(speed.get(_shape(lay), 0.0), tps / b.tokens_per_sec_per_gpu)
@@ -240,9 +241,12 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
 
 
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"ngpu": None, "gpu": "h100", "gpus_per_node": "8", "top": "5", "out": None, "budget_s": "150"}
+    opts = {"ngpu": None, "gpu": "h100", "gpus_per_node": "8", "top": "5", "out": None, "max_traces": "8"}
+    if any(a.split("=")[0] == "--budget-s" for a in argv):
+        raise ConfigError("--budget-s is gone: the planner is bounded by layouts traced, so its answer does not "
+                          "depend on the machine's load; use --max-traces N (default 8)")
     rest = split_flags(argv, opts)
-    for key in ("ngpu", "gpus_per_node", "top", "budget_s"):
+    for key in ("ngpu", "gpus_per_node", "top", "max_traces"):
         flag = f"--{key.replace('_', '-')}"
         if opts[key] is None:
             raise ConfigError(f"{flag} is required: the number of GPUs to plan for, e.g. {flag} 64")
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         opts, rest = _parse(argv)
         gpu = hardware.get_gpu(opts["gpu"])
         result = search(rest, int(opts["ngpu"]), gpu, int(opts["gpus_per_node"]), int(opts["top"]),
-                        float(opts["budget_s"]))
+                        int(opts["max_traces"]))
     except ConfigError as e:
         sys.exit(print(f"titanlite: error: {e}", file=sys.stderr) or 2)
     s = result["searched"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnSetup
 from titanlite.loss import IGNORE_INDEX, extra_losses, loss_context
 
 Batch = dict[str, torch.Tensor]
@@ -52,20 +52,18 @@ class PlainStep:
     model: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     loss_parallel: bool
-    context: Callable[..., AttnContext]
-    """(positions, document_ids, seq_len=, device=) -> the batch's attention context (cp group,
-    backend and the model's windows bound)."""
+    attn: AttnSetup
+    """The model's attention setup (backend, windows, cp), which makes each batch's context."""
     target_group: dist.ProcessGroup
     autocast: contextlib.AbstractContextManager
-    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss)."""
     mirrors: tuple[nn.Parameter, ...] = ()
     """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
     gradient norm counts them once, through the original."""
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
-        ctx = self.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1], device=ids.device)
+        ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
+                                device=ids.device)
         with self.autocast:
             logits = self.model(batch["input_ids"], ctx)
         return self.loss_fn(logits, batch["labels"])
@@ -77,7 +75,7 @@ class PlainStep:
             for batch in batches:
                 # loss parallel must cover the backward too
                 with loss_context(self.loss_parallel):
-                    loss = self.inject(self._loss_sum(batch))
+                    loss = self._loss_sum(batch)
                     (loss / n_targets).backward()
                 loss_sum += loss.detach()
         return StepOutput(loss_sum, n_targets, extra)

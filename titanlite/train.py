@@ -9,11 +9,11 @@ clipping, the optimizer, the hooks, checkpoint, metrics and validation.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,33 +21,31 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config import load as config_load
-
-from titanlite.runtime import fault
-
-from titanlite.runtime import gc_control, restart
-
-from titanlite.layers import init
-from titanlite.layers.attention import AttnContext
 from titanlite.checkpoint.dcp import CheckpointManager
+from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader, ignored_keys_note
+from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
+from titanlite.layers import init
+from titanlite.layers.attention import AttnSetup
+from titanlite.loss import LossFn, build_loss_fn
+from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
+    reduce_losses
+from titanlite.model_spec import in_model_code
+from titanlite.optim import build_optimizers, warmup_note
+from titanlite.parallel import context, float8, pipeline
+from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq, reduce_partial_grads
+from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
+from titanlite.preflight import Plan, param_dtype, preflight
+from titanlite.runtime import fault, gc_control, restart
 from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
-from titanlite.loss import build_loss_fn
-from titanlite.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
-from titanlite.optim import build_optimizers, by_mesh, warmup_note
-from titanlite.parallel import context, float8, pipeline
-from titanlite.parallel.apply import ParallelizeOptions, parallelize
-from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
-from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
-from titanlite.config.preflight import Plan, param_dtype, preflight
 from titanlite.runtime.profiling import Profiler
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.step import PlainStep
-from titanlite.data.validation import Validator
 
 
 def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:
@@ -61,10 +59,9 @@ def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> Parallelize
                               sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
 
 
-def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: torch.device | None,
-                seed: int) -> list[nn.Module]:
-    """This rank's model parts, parallelized and initialised (one part: the whole model).
-    With no device they stay on meta, uninitialised (the dry run fills them with fake tensors)."""
+def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn.Module]:
+    """This rank's model parts, parallelized, on meta (one part: the whole model); train()
+    materializes them, the dry run fills them with fake tensors."""
     with torch.device("meta"):
         if plan.stages is None:
             parts = [plan.spec.build(plan.args)]
@@ -72,28 +69,24 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions, device: to
             parts = pipeline.stage_modules(plan.spec, plan.args, plan.stages, meshes)
     for part in parts:
         parallelize(part, plan.spec, meshes, opts)
-        if device is not None:
-            init.materialize(part, device, seed)
-            part.train()
     return parts
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device: torch.device, inject=lambda loss: loss) -> PlainStep | pipeline.PipelineStep:
-    """The step object for this layout (train.py and the dry run pick it the same way)."""
+               device: torch.device, loss_fn: LossFn) -> PlainStep | pipeline.PipelineStep:
+    """The step object for this layout (train.py and the dry run pick it the same way);
+    `loss_fn`: titanlite.loss.build_loss_fn's, or that wrapped (fault injection)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
-    cp_group = meshes.cp.get_group() if plan.dims.cp > 1 else None
-    windows = tuple({plan.args.window(i) for i in range(plan.args.n_layers)})
-    context = functools.partial(AttnContext, cp_group=cp_group, backend=cfg.model.attn_backend, windows=windows)
-    loss_fn = build_loss_fn(cfg.compile, opts.loss_parallel)
+    cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
+    attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, context, meshes.dp_cp.get_group(), autocast, inject)
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
-                                 loss_fn, opts, context, autocast, device, shapes, inject)
+                                 loss_fn, opts, attn, autocast, device, shapes)
 
 
 def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -105,11 +98,26 @@ def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
     return scalars
 
 
+@dataclass(frozen=True)
+class Prepare:
+    """This rank's part of a loader micro-batch, on the device (training and validation)."""
+
+    device: torch.device
+    cp_rank: int
+    cp: int
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # pinned host memory on GPU: the copies overlap with compute
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return context.shard_batch(batch, self.cp_rank, self.cp) if self.cp > 1 else batch
+
+
 def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
               rank: int) -> int:
     """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
     skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
-    first, last, n = guard.streak[0], guard.streak[-1], len(guard.streak)
+    streak = guard.verdict.streak
+    first, last, n = streak[0], streak[-1], len(streak)
     sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
     start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
     guard.phase("checkpoint save")  # loading takes a save's time
@@ -126,35 +134,69 @@ def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader,
     return step
 
 
-def train(cfg: JobConfig, plan: Plan) -> str | None:
-    """Returns the run's last line: how it stopped after a signal, or None."""
-    t = cfg.training
-    device = pick_device(t.device)
-    if t.deterministic:  # before the process group: NCCL's set-up may already run CUDA work
+def start_process(cfg: JobConfig) -> torch.device:
+    """This process's device, determinism, flight recorder, process group and seed."""
+    device = pick_device(cfg.training.device)
+    if cfg.training.deterministic:  # before the process group: NCCL's set-up may already run CUDA work
         set_determinism(device)
     enable_flight_recorder(cfg.job.dump_folder)
     init_process_group(device, cfg.comm.init_timeout_s)
+    torch.manual_seed(cfg.training.seed)
+    return device
+
+
+def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader,
+                       meshes: Meshes) -> CheckpointManager:
+    return CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
+                             loader=loader, data=cfg.data, seq_len=cfg.training.seq_len,
+                             global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
+                             final_step=cfg.training.steps, tied=() if plan.stages is None else plan.stages.tied,
+                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
+
+
+def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype) -> None:
+    """The run's first line (and the warm-up note), on rank 0."""
+    t = cfg.training
+    if dist.get_rank() == 0:
+        accum = plan.global_batch_size // (t.local_batch_size * plan.dims.dp)
+        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
+              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
+              f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
+        if warmup_note(cfg.lr_scheduler, t.steps):
+            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
+        if note := ignored_keys_note(cfg.data):
+            print(note, file=sys.stderr, flush=True)
+
+
+def finish(dump_folder: str, guard: Guard) -> None:
+    """Proof this rank finished, for launchers and tests, written after the last collective."""
+    done = Path(dump_folder) / "status"
+    done.mkdir(parents=True, exist_ok=True)
+    (done / f"rank-{dist.get_rank()}.done").write_text(json.dumps({"step": guard.step,
+                                                                     "signal": guard.vote.signal_name}))
+    # Every marker exists before any rank starts tearing down (gloo may abort there)
+    dist.barrier()
+
+
+def train(cfg: JobConfig, plan: Plan) -> str | None:
+    """Returns the run's last line: how it stopped after a signal, or None."""
+    t, dims = cfg.training, plan.dims
+    device = start_process(cfg)
     rank = dist.get_rank()
-    torch.manual_seed(t.seed)
-    dims = plan.dims
     meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
     dtype = param_dtype(t.mixed_precision_param, device)
     opts = parallelize_options(cfg, dims, dtype)
-    parts = build_parts(plan, meshes, opts, device, t.seed)
+    parts = build_parts(plan, meshes, opts)
+    for part in parts:  # the same values on every layout: f(seed, name, full shape)
+        init.materialize(part, device, t.seed)
+        part.train()
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
     fused_optimizer = cfg.optimizer.implementation == "fused"
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
-    cp_group = meshes.cp.get_group() if dims.cp > 1 else None
-    cp_rank = meshes.cp.get_local_rank()
-
-    ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
-                             loader=loader, data=cfg.data, seq_len=t.seq_len,
-                             global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
-                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
-                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
+    ckpt = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -162,28 +204,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
         ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
-
-    metrics = MetricsLogger(cfg.job.dump_folder, cfg.job.run_name, cfg.metrics.enable_tensorboard, rank == 0)
-    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
-        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
-    flops_per_token = plan.spec.flops_per_token(plan.args, t.seq_len)
-    peak_flops = device_peak_flops(device)
-    stop_line = None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
-    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.inject_loss)
+    train_step = build_step(cfg, plan, parts, meshes, opts, device,
+                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)))
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
-    # after build_step, which may make the last process groups (a tied pipeline's pairs)
-    if rank == 0:
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {dims}, "
-              f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
-              f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
-        if warmup_note(cfg.lr_scheduler, t.steps):
-            print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
-        if note := ignored_keys_note(cfg.data):
-            print(note, file=sys.stderr, flush=True)
+    announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
     params = [p for part in parts for p in part.parameters()]
     norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
     data_iter = iter(loader)
@@ -191,17 +219,18 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
                           t.local_batch_size, dp_rank, dims.dp, meshes.loss_group,
                           meshes.dp_cp.get_group() if dims.pp > 1 else None)
-
-    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of a loader micro-batch, on the device (training and validation)."""
-        # pinned host memory on GPU: the copies overlap with compute
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        return context.shard_batch(batch, cp_rank, dims.cp) if cp_group is not None else batch
-
-    gc_control.start(t.gc_freq)
-    start = last_log = time.perf_counter()
-    last_log_step = start_step
+    prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
+                            config_load.to_toml(cfg))
+    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
+    throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
+                            plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
+                            dist.get_world_size())
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
+    gc_control.start(t.gc_freq)
+    stop_line, verdict = None, guard.verdict
 
     step = start_step
     while step < t.steps:
@@ -210,18 +239,16 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         profiler.step_begin(step)
         out = train_step([prepare(next(data_iter)) for _ in range(accum)])
         reduce_partial_grads(params)
-        logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
-        # the host reads a step's verdict late unless it syncs anyway (log, save) or must
         once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
         share = None if window is None else (out.loss_sum if once else torch.zeros_like(out.loss_sum)) / out.n_targets
-        grad_norm, bad = guard.end_step(out.loss_sum, local_grad_sq(norm_params, meshes.stage_ranks),
-                                        read_now=logs or ckpt.due(step) or not fused_optimizer, loss_share=share)
-        if t.max_norm > 0:
-            for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
-                torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, grad_norm, foreach=True)
+        grad_norm, votes = global_norm(local_grad_sq(norm_params, meshes.stage_ranks), guard.votes(out.loss_sum, share))
+        logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
+        # the host reads a step's verdict late unless it syncs anyway (log, save) or must
+        bad = guard.decide(grad_norm, votes, read_now=logs or ckpt.due(step) or not fused_optimizer)
+        clip_grads(params, t.max_norm, grad_norm)
         lr = optimizers.lr
         ckpt.wait_for_staging()
-        if not guard.skip:
+        if not verdict.skip:
             # fused: a non-finite step updates nothing, decided on the device
             optimizers.step(bad if fused_optimizer else None)
         optimizers.step_schedule()
@@ -230,59 +257,40 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
-        if t.on_spike == "rollback" and len(guard.streak) >= t.spike_rollback_after:
+        if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
             step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank)
             data_iter = iter(loader)
-            last_log, last_log_step = time.perf_counter(), step
+            throughput.last, throughput.last_step = time.perf_counter(), step
             continue
         guard.phase("checkpoint save")
-        ckpt.maybe_save(step, force=guard.stop)
-
-        if logs or guard.stop:
+        ckpt.maybe_save(step, force=verdict.stop)
+        if logs or verdict.stop:
             guard.phase("logging")
-            # the loss and every extra term in one collective over all ranks: tp ranks hold the
-            # same loss sum (counted once), but extra terms over the tokens each rank routed
-            # (a MoE layer's tp ranks route different sequence shards)
-            sums = torch.stack([out.loss_sum if once else torch.zeros_like(out.loss_sum),
-                                *(out.extra_losses.get(n, torch.zeros_like(out.loss_sum))
-                                  if once or n not in plan.spec.tp_replicated_losses else torch.zeros_like(out.loss_sum)
-                                  for n in plan.spec.extra_losses)])
-            dist.all_reduce(sums)
-            values = (sums / out.n_targets).tolist()
-            now = time.perf_counter()
-            tokens_per_sec = (step - last_log_step) * plan.global_batch_size * t.seq_len / (now - last_log) / dist.get_world_size()
-            mfu = None if peak_flops is None else 100 * tokens_per_sec * flops_per_token / peak_flops
-            eta = (now - start) / (step - start_step) * (t.steps - step)
-            metrics.log(step, {"loss": values[0], "grad_norm": grad_norm.item(), "lr": lr,
-                               "tokens_per_sec": tokens_per_sec, "mfu_pct": mfu,
-                               "peak_gib": peak_memory_gib(device), "skipped_steps": guard.skipped,
+            losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, plan.spec.extra_losses,
+                                   plan.spec.tp_replicated_losses, once)
+            speed, eta = throughput(step)
+            metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": grad_norm.item(), "lr": lr, **speed,
+                               "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
-                               **dict(zip(plan.spec.extra_losses, values[1:])),
-                               **{k: float(v) for k, v in scalars.items()},
-                               **({} if window is None else {"spike_steps": guard.spikes}),
-                               **({} if stragglers is None else stragglers.report(step, guard.own_s))},
-                        eta)
-            last_log, last_log_step = now, step
-        if guard.stop:
-            stop_line = f"titanlite: stopped at step {step} after {guard.signal_name or 'a signal to another rank'}"
+                               **losses, **{k: float(v) for k, v in scalars.items()},
+                               **({} if window is None else {"spike_steps": verdict.spikes}),
+                               **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)
+        if verdict.stop:
+            who = guard.vote.signal_name or "a signal to another rank"
+            stop_line = f"titanlite: stopped at step {step} after {who}"
             break
         if validator.due(step, t.steps):
             guard.phase("validation")
             val_start = time.perf_counter()
             metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device))
-            last_log += time.perf_counter() - val_start  # keep tokens_per_sec about training
+            throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
 
     gc_control.stop(t.gc_freq)
     guard.phase("checkpoint save")  # the last save may still be writing
     ckpt.close()
     guard.close()
     metrics.close()
-    # Written after the last collective: proof this rank finished, for launchers and tests
-    done = Path(cfg.job.dump_folder) / "status"
-    done.mkdir(parents=True, exist_ok=True)
-    (done / f"rank-{rank}.done").write_text(json.dumps({"step": guard.step, "signal": guard.signal_name}))
-    # Every marker exists before any rank starts tearing down (gloo may abort there)
-    dist.barrier()
+    finish(cfg.job.dump_folder, guard)
     return stop_line
 
 
@@ -314,9 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
         where = f" [rank {rank}]" if rank else ""
         if err is None:  # a bug: its line is the run's (before a peer's consequence), its traceback stays
+            mine = in_model_code(e)
             first = (str(e).strip().splitlines() or [""])[0]
-            last_word(rank, 1, f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
-                               f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
+            last_word(rank, 1, f"titanlite: error: the model's code failed, {mine}{where}" if mine else
+                      f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
+                      f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
             raise
         last_word(rank, 1, f"titanlite: error: {err}{where}")
         # no process-group teardown: with a peer dead or diverged it can hang or abort

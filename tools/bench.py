@@ -39,7 +39,7 @@ from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.metrics import device_peak_flops, peak_memory_gib
-from titanlite.config.preflight import param_dtype, preflight
+from titanlite.preflight import param_dtype, preflight
 
 BENCH_FLAGS = {"--ngpu": int, "--repeat": int, "--warmup": int, "--steps": int, "--out": str, "--_role": str, "--_result": str}
 BENCH_SWITCHES = ("--peer", "--torchtitan", "--track-memory")

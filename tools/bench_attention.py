@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from titanlite.layers.attention import AttnContext, attention
+from titanlite.layers.attention import AttnSetup, attention
 
 HQ, HKV, D, DOC, WINDOW = 12, 4, 64, 512, 128
 
@@ -35,7 +35,7 @@ def _call(kind: str, backend: str, seq: int, grad: bool) -> None:
     q, k, v = _inputs(seq, grad)
     docs = (torch.arange(seq) // DOC)[None] if kind == "documents" else None
     sinks = torch.zeros(HQ, requires_grad=grad) if kind == "window+sinks" else None
-    ctx = AttnContext(document_ids=docs, backend=backend)
+    ctx = AttnSetup(backend).context(document_ids=docs)
     with torch.set_grad_enabled(grad):
         out = attention(q, k, v, ctx, window=WINDOW if kind == "window+sinks" else None, sinks=sinks)
         if grad:

@@ -50,11 +50,11 @@ def write_folder(kind: str, folder: Path) -> int:
 
     from titanlite.checkpoint.hf import write_hf_folder
     from titanlite.config import load as config_load
-    from titanlite.config.preflight import preflight
+    from titanlite.preflight import make_plan
 
     name, flavor = MODELS[kind]
     cfg, _ = config_load.load(["--model.name", name, "--model.flavor", flavor])
-    plan = preflight(cfg, 1, data=False)
+    plan = make_plan(cfg, 1)
     model = plan.spec.build(plan.args)
     model.init_weights(0)
     sd = {k: v.detach() for k, v in model.state_dict().items()}

@@ -28,7 +28,7 @@ from titanlite.layers import init
 from titanlite.config.job import ActivationCheckpoint, Compile, Parallelism
 from titanlite.loss import cross_entropy_sum
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnSetup
 from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import ParallelDims, init_process_group
@@ -73,7 +73,7 @@ def run_pipeline(schedule: str, m: int) -> None:
         parts = pipeline.stage_modules(spec, args, plan, meshes)
     for part in parts:
         init.materialize(part, torch.device("cpu"), 0)
-    step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, OPTS, AttnContext,
+    step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, OPTS, AttnSetup(),
                                  contextlib.nullcontext(), torch.device("cpu"),
                                  pipeline.stage_shapes(spec, args, MICRO, SEQ, dims, OPTS))
     b = batch(args, m * MICRO)

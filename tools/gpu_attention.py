@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import attention_parity as ap  # noqa: E402  (the CPU test's cases and dense reference)
 
 
-def _errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, sinks: bool) -> list[float]:
+def seam_errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, sinks: bool) -> list[float]:
     """Max abs error of the output and of each input gradient against the float32 reference."""
     q, k, v, d, s = (x.cuda() for x in ap.inputs())
     d = d if docs else None
@@ -40,7 +40,7 @@ def _errors(backend: str, dtype: torch.dtype, docs: bool, window: int | None, si
     ref = ap.reference(*leaves[:3], d, window, leaves[3] if sinks else None, 0.3)
     (ref * grad_out).sum().backward()
     mine = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, s)]
-    ctx = attn.AttnContext(document_ids=d, backend=backend, windows=(window,), seq_len=ap.S, device=q.device)
+    ctx = attn.AttnSetup(backend, (window,)).context(document_ids=d, seq_len=ap.S, device=q.device)
     out = attn.attention(*mine[:3], ctx, window, mine[3] if sinks else None, 0.3)
     (out.float() * grad_out).sum().backward()
     errors = [(out.float() - ref).abs().max().item()]
@@ -61,7 +61,7 @@ def parity() -> list[dict]:
     rows = []
     for name, backend, dtype, docs, window, sinks in todo:
         try:
-            errors = _errors(backend, dtype, docs, window, sinks)
+            errors = seam_errors(backend, dtype, docs, window, sinks)
         except Exception as e:  # noqa: BLE001  (reported, not hidden: the row says why)
             errors = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "errors": errors})
@@ -81,8 +81,7 @@ def _timed(backend: str, kind: str, seq: int) -> dict:
     grad = torch.randn(1, hq, seq, dim, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
-        ctx = attn.AttnContext(document_ids=docs, backend=backend, windows=(window,), seq_len=seq,
-                               device=q.device)
+        ctx = attn.AttnSetup(backend, (window,)).context(document_ids=docs, seq_len=seq, device=q.device)
         attn.attention(q, k, v, ctx, window, sinks).backward(grad)
 
     for _ in range(3):

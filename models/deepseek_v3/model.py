@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite.layers import init, rope
+from titanlite.layers import rope
 from titanlite.layers.attention import AttnContext, Rotation, attention
 from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
@@ -132,24 +132,17 @@ class Transformer(Decoder):
             self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
             self.mtp_embeddings.weight = self.tok_embeddings.weight
 
-    def init_weights(self, seed: int) -> None:
-        """Decoder's rule, with the MTP depths drawn as blocks n_layers + k and the tied MTP
-        embedding as tok_embeddings (a pipeline's last stage holds it alone)."""
-        n = self.args.n_layers
-        for name, param in self.named_parameters():
-            if name == "mtp_embeddings.weight":
-                name = "tok_embeddings.weight"
-            if name.endswith("norm.weight"):
-                init.ones_(param)
-            elif name == "tok_embeddings.weight":
-                init.normal_(param, name, seed, 1.0)
-            elif name == "output.weight":
-                init.normal_(param, name, seed, self.args.dim ** -0.5, cutoff=3.0)
-            else:  # layers.<i>.… or mtp.<k>.…
-                layer = int(name.split(".")[1]) + (n if name.startswith("mtp.") else 0)
-                linear = name.removesuffix(".weight").rsplit(".", 1)[-1]
-                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
-                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
+    def block_depth(self, name: str) -> int | None:
+        """MTP depth k is drawn as block n_layers + k."""
+        head, _, rest = name.partition(".")
+        if head == "mtp":
+            return self.args.n_layers + int(rest.partition(".")[0])
+        return super().block_depth(name)
+
+    def init_rule(self, name: str) -> tuple[str, float | None, float | None]:
+        """Decoder's rule; the tied MTP embedding is drawn as tok_embeddings (a pipeline's last
+        stage holds it alone)."""
+        return super().init_rule("tok_embeddings.weight" if name == "mtp_embeddings.weight" else name)
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits."""

@@ -5,7 +5,7 @@ from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
-from .parallelize import check_layout, tp_plan
+from .parallelize import tp_plan
 
 _LLAMA31 = dict(rope_scaling_factor=8.0)
 _LLAMA32 = dict(rope_scaling_factor=32.0, tie_embeddings=True)
@@ -35,4 +35,4 @@ flavors = {
 
 
 SPEC = ModelSpec(name="llama3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
-                 flops_per_token=dense_flops_per_token, check_layout=check_layout, hf=ADAPTER)
+                 flops_per_token=dense_flops_per_token, hf=ADAPTER)

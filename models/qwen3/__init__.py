@@ -5,7 +5,7 @@ from titanlite.model_spec import ModelSpec
 
 from .hf import ADAPTER
 from .model import ModelArgs, Transformer
-from .parallelize import check_layout, tp_plan
+from .parallelize import tp_plan
 
 # Shapes of the released Qwen/Qwen3-* configs (rope_theta 1e6, rms eps 1e-6, 40960 positions).
 # The sizes up to 4B tie the output projection to the embeddings.
@@ -23,4 +23,4 @@ flavors = {
 
 
 SPEC = ModelSpec(name="qwen3", flavors=flavors, build=Transformer, tp_plan=tp_plan,
-                 flops_per_token=dense_flops_per_token, check_layout=check_layout, hf=ADAPTER)
+                 flops_per_token=dense_flops_per_token, hf=ADAPTER)

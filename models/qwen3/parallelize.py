@@ -1,20 +1,12 @@
-"""How Qwen3 is parallelized: its tensor-parallel plan and the layouts its shapes allow.
+"""How Qwen3 is parallelized: its tensor-parallel plan (the layouts its shapes
+allow are checked for every family by titanlite.preflight and titanlite.parallel.tensor).
 titanlite.parallel.apply applies every dimension in one order for every family."""
 
 from __future__ import annotations
 
 from torch.distributed.tensor import Placement
 
-from titanlite.parallel.mesh import ParallelDims
-from titanlite.parallel.tensor import TPPlan, check_tp, decoder_plan
-
-from .model import ModelArgs
-
-
-def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
-    """Refuse layouts the shapes cannot serve, before any weight is allocated."""
-    check_tp(dims.tp, args.n_kv_heads, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-                                        "ffn_hidden": args.ffn_hidden, "vocab_size": args.vocab_size})
+from titanlite.parallel.tensor import TPPlan, decoder_plan
 
 
 def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:

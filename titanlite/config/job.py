@@ -14,7 +14,8 @@ class Job:
     dump_folder: str = "./outputs"
     """Folder for metrics, TensorBoard events and checkpoints."""
     run_name: str = ""
-    """TensorBoard run name under <dump_folder>/tb/; empty means a timestamp."""
+    """Names the run's TensorBoard folder <dump_folder>/tb/<run_name> and its rows in
+    <dump_folder>/metrics.jsonl (`run`); empty: <model>-<flavor>-<start time>."""
     description: str = ""
     """Free text shown at start-up."""
     shutdown_timeout_s: int = 25
@@ -385,3 +386,33 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "job.memory_check": ("error", "warn", "off"),
+    "model.attn_backend": ("sdpa", "flex", "varlen"),
+    "training.mixed_precision_param": ("auto", "float32", "bfloat16"),
+    "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "training.on_nonfinite": ("stop", "skip"),
+    "training.on_spike": ("off", "skip", "rollback"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                                               "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
+    "optimizer.name": ("AdamW", "Muon"),
+    "optimizer.implementation": ("fused", "foreach"),
+    "optimizer.muon_groups": MUON_GROUPS,
+    "lr_scheduler.decay_type": ("linear", "cosine"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "activation_checkpoint.selective_type": ("layer", "op"),
+    "compile.components": ("model", "loss"),
+    "float8.recipe": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "moe.grouped_mm": ("auto", "on", "off"),
+    "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.on_save_error": ("stop", "continue"),
+    "checkpoint.initial_load_format": ("dcp", "hf"),
+    "checkpoint.export_dtype": ("", "float32", "bfloat16", "float16"),
+}
+"""The allowed values of every key that takes one of a fixed set (each element, for a list):
+declared here once; titanlite.config.load checks them, and the code that dispatches on a key
+(titanlite.layers.attention.BACKENDS, titanlite.parallel.pipeline.SCHEDULES) reads them here."""

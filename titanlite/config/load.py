@@ -12,10 +12,11 @@ import difflib
 import inspect
 import math
 import os
+import sys
 import typing
 from pathlib import Path
 
-from titanlite.config.job import MUON_GROUPS, Checkpoint, Data, JobConfig, Validation
+from titanlite.config.job import CHOICES, Checkpoint, Data, JobConfig, Validation
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -96,12 +97,15 @@ def _set(values: dict, section: str, key: str, raw: object, from_cli: bool) -> N
 
 
 def _read_toml(path: Path) -> dict:
-    import tomli
+    if sys.version_info >= (3, 11):
+        import tomllib  # tomli, in the standard library since 3.11
+    else:
+        import tomli as tomllib
 
     try:
         with open(path, "rb") as f:
-            return tomli.load(f)
-    except tomli.TOMLDecodeError as e:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
@@ -165,9 +169,14 @@ def load(argv: list[str]) -> tuple[JobConfig, set[str]]:
     return cfg, flags
 
 
-def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}: '{value}' is not one of {', '.join(options)}")
+def _check_choices(cfg: JobConfig) -> None:
+    """Every key of CHOICES holds one of its allowed values (each element, for a list)."""
+    for key, options in CHOICES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if v not in options:
+                raise ConfigError(f"{key}: '{v}' is not one of {', '.join(options)}")
 
 
 def parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
@@ -205,6 +214,7 @@ def check_config(cfg: JobConfig) -> None:
                      ("profiling.num_steps", cfg.profiling.num_steps)]:
         if val < 1:
             raise ConfigError(f"{key} must be >= 1, got {val}")
+    _check_choices(cfg)
     if cfg.comm.train_timeout_s > cfg.comm.init_timeout_s:
         raise ConfigError(f"comm.train_timeout_s {cfg.comm.train_timeout_s} is longer than comm.init_timeout_s "
                           f"{cfg.comm.init_timeout_s} (set-up and the first step); raise comm.init_timeout_s too")
@@ -236,9 +246,6 @@ def check_config(cfg: JobConfig) -> None:
                               f"got {getattr(p, f'pipeline_parallel_{key}')}")
     if not 0.0 <= cfg.data.holdout_fraction < 1.0:
         raise ConfigError(f"data.holdout_fraction must be in [0, 1), got {cfg.data.holdout_fraction}")
-    _choice("optimizer.name", cfg.optimizer.name, ("AdamW", "Muon"))
-    for group in o.muon_groups:
-        _choice("optimizer.muon_groups", group, MUON_GROUPS)
     if not 0.0 <= o.muon_momentum < 1.0:
         raise ConfigError(f"optimizer.muon_momentum must be in [0, 1), got {o.muon_momentum}")
     if o.muon_ns_steps < 1:
@@ -248,17 +255,6 @@ def check_config(cfg: JobConfig) -> None:
     if o.muon_weight_decay < 0 and o.muon_weight_decay != -1:
         raise ConfigError("optimizer.muon_weight_decay must be >= 0 or -1 (optimizer.weight_decay), "
                           f"got {o.muon_weight_decay}")
-    _choice("optimizer.implementation", cfg.optimizer.implementation, ("fused", "foreach"))
-    _choice("training.mixed_precision_param", t.mixed_precision_param, ("auto", "float32", "bfloat16"))
-    _choice("training.mixed_precision_reduce", t.mixed_precision_reduce, ("float32", "bfloat16"))
-    _choice("training.device", t.device, ("auto", "cpu", "cuda"))
-    _choice("model.attn_backend", cfg.model.attn_backend, ("sdpa", "flex", "varlen"))
-    _choice("parallelism.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward,
-            ("default", "always", "never"))
-    _choice("lr_scheduler.decay_type", s.decay_type, ("linear", "cosine"))
-    _choice("training.on_nonfinite", t.on_nonfinite, ("stop", "skip"))
-    _choice("job.memory_check", cfg.job.memory_check, ("error", "warn", "off"))
-    _choice("training.on_spike", t.on_spike, ("off", "skip", "rollback"))
     if t.on_spike == "rollback" and (not cfg.checkpoint.enable or cfg.checkpoint.load_step != -1):
         raise ConfigError("training.on_spike = rollback goes back to the newest checkpoint; set checkpoint.enable = "
                           "true and leave checkpoint.load_step at -1")
@@ -279,12 +275,6 @@ def check_config(cfg: JobConfig) -> None:
     if pr.enable and pr.start_step + pr.num_steps - 1 > t.steps:
         raise ConfigError(f"profiling: the window of steps {pr.start_step}..{pr.start_step + pr.num_steps - 1} "
                           f"ends after training.steps ({t.steps}); lower profiling.start_step or num_steps")
-    _choice("activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "full", "selective"))
-    _choice("activation_checkpoint.selective_type", cfg.activation_checkpoint.selective_type, ("layer", "op"))
-    for component in cfg.compile.components:
-        _choice("compile.components", component, ("model", "loss"))
-    _choice("float8.recipe", cfg.float8.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
-    _choice("moe.grouped_mm", cfg.moe.grouped_mm, ("auto", "on", "off"))
     for key, val in [("moe.aux_loss_coeff", cfg.moe.aux_loss_coeff),
                      ("moe.bias_update_rate", cfg.moe.bias_update_rate)]:
         if val < 0:
@@ -306,10 +296,6 @@ def check_config(cfg: JobConfig) -> None:
     _check_restarts(cfg.fault_tolerance.max_restarts, c)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
-    _choice("checkpoint.async_mode", c.async_mode, ("disabled", "async"))
-    _choice("checkpoint.on_save_error", c.on_save_error, ("stop", "continue"))
-    _choice("checkpoint.initial_load_format", c.initial_load_format, ("dcp", "hf"))
-    _choice("checkpoint.export_dtype", c.export_dtype, ("", "float32", "bfloat16", "float16"))
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
 
@@ -327,9 +313,33 @@ def _check_restarts(max_restarts: int, c: Checkpoint) -> None:
                           "max_restarts 0, or move the checkpoints after it away and leave load_step at -1")
 
 
-def _check_data(d: Data, v: Validation) -> None:
-    from titanlite.data.sources import check_source, parse_mix
+def check_source(path: str, key: str = "data.path") -> None:
+    """Cheap existence check for config validation (no files are read)."""
+    if path and not path.startswith("hf:") and not Path(path).exists():
+        raise ConfigError(f"{key}: '{path}' does not exist")
 
+
+def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
+    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
+    out = []
+    for entry in spec:
+        source, colon, weight = entry.strip().rpartition(":")
+        try:
+            w = float(weight) if colon else float("nan")
+        except ValueError:
+            w = float("nan")
+        if not w > 0 or w == float("inf"):
+            raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
+                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
+        if source in (s for s, _ in out):
+            raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
+        out.append((source, w))
+    if len(out) < 2:
+        raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
+    return out
+
+
+def _check_data(d: Data, v: Validation) -> None:
     if d.mix:
         if d.path:
             raise ConfigError("data.mix and data.path are both set; put every source in data.mix")

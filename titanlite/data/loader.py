@@ -22,10 +22,9 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Data, Validation
-from titanlite.config.load import parse_ranges
+from titanlite.config.load import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
-from titanlite.data.sources import (is_token_folder, parse_mix, probe_source, read_documents, source_name,
-                                    unread_keys)
+from titanlite.data.sources import is_token_folder, probe_source, read_documents, source_name, unread_keys
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder, read_index
 

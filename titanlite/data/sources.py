@@ -17,6 +17,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from titanlite.config.load import check_source
 from titanlite.errors import ConfigError
 
 STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte tokenizer
@@ -30,10 +31,6 @@ def source_name(path: str) -> str:
     return f"'{path}'" if path else f"the Python standard library ({sysconfig.get_paths()['stdlib']})"
 
 
-def check_source(path: str, key: str = "data.path") -> None:
-    """Cheap existence check for config validation (no files are read)."""
-    if path and not path.startswith("hf:") and not Path(path).exists():
-        raise ConfigError(f"{key}: '{path}' does not exist")
 
 
 def _stdlib_documents() -> list[str]:
@@ -254,24 +251,6 @@ def check_text(path: str, field: str, key: str = "data.path") -> None:
         raise ConfigError(f"{key}: no documents with text in '{path}'; every document is empty")
 
 
-def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
-    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
-    out = []
-    for entry in spec:
-        source, colon, weight = entry.strip().rpartition(":")
-        try:
-            w = float(weight) if colon else float("nan")
-        except ValueError:
-            w = float("nan")
-        if not w > 0 or w == float("inf"):
-            raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
-                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
-        if source in (s for s, _ in out):
-            raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
-        out.append((source, w))
-    if len(out) < 2:
-        raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
-    return out
 
 
 def probe_source(path: str, field: str, split: str) -> None:

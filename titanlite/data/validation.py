@@ -17,7 +17,8 @@ from torch import nn
 from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
-from titanlite.data.sources import check_text, parse_mix, source_bytes
+from titanlite.config.load import parse_mix
+from titanlite.data.sources import check_text, source_bytes
 from titanlite.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100

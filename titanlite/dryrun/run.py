@@ -43,12 +43,14 @@ from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
 from titanlite.layers import init
 from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
-from titanlite.optim import build_optimizers, by_mesh
+from titanlite.loss import build_loss_fn
+from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
-from titanlite.parallel.grad_norm import local_grad_sq
+from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.config.preflight import Plan, check_attention, preflight
+from titanlite.model_spec import in_model_code
+from titanlite.preflight import Plan, check_attention, make_plan, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
@@ -148,7 +150,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
     t, dims, n = cfg.training, plan.dims, stage_depth(plan)
     plan = shallow_plan(plan, n_blocks)
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
-    parts = build_parts(plan, meshes, opts, None, t.seed)  # on meta, outside fake mode: mesh bookkeeping is real
+    parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     tracer = StepTracer(group_names(meshes))
@@ -158,7 +160,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             init.to_empty(part, "cpu")  # a tied weight counted once, as a real run holds it
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
-        step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"))
+        step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"),
+                          build_loss_fn(cfg.compile, opts.loss_parallel))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -188,14 +191,12 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             watch.reduce_partial_grads(params)
             with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
                 grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
-            stats = torch.stack([grad_sq, out.loss_sum])
-            dist.all_reduce(stats)  # the guard's one world all-reduce: gradient norm and verdict
-            if t.max_norm > 0:
-                for group in by_mesh([p for p in params if p.grad is not None]):  # one mesh per foreach op
-                    torch.nn.utils.clip_grads_with_norm_(group, t.max_norm, stats[0].sqrt(), foreach=True)
+            # the step's one world all-reduce: gradient norm and the guard's two votes
+            norm, _ = global_norm(grad_sq, torch.stack([torch.zeros_like(out.loss_sum), out.loss_sum]))
+            clip_grads(params, t.max_norm, norm)
             optimizers.step(None)
             for hook in hooks:
-                hook(torch.zeros_like(stats[0]))  # the guard's skip flag, a device scalar
+                hook(torch.zeros_like(norm))  # the guard's skip flag, a device scalar
         for h in handles:
             h.remove()
         watch.close()
@@ -252,7 +253,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     backend = cfg.model.attn_backend
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
-    plan = preflight(cfg, world_size, data=False)  # a dry run reads no data: it plans any size of job
+    plan = make_plan(cfg, world_size)  # a dry run reads no data: it plans any size of job
     check_attention(backend, plan.args, plan.dims.cp, device == "cuda")
     dims, ac = plan.dims, cfg.activation_checkpoint
     for r in ranks or []:
@@ -472,6 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a titanlite bug, or a torch it does not know: one line, the traceback kept
         path = Path(tempfile.gettempdir(), f"titanlite-dryrun-{os.getpid()}.txt")
         path.write_text(traceback.format_exc())
+        mine = in_model_code(e)
+        if mine is not None:  # the model's own code: launching without the dry run fails the same way
+            print(f"titanlite: error: {what} failed in the model's code, {mine}; traceback in {path}",
+                  file=sys.stderr)
+            sys.exit(1)
         message = (str(e).strip().splitlines() or [""])[0]
         print(f"titanlite: error: {what} failed inside titanlite ({type(e).__name__}: {message}) on torch "
               f"{torch.__version__}; traceback in {path}{skip}", file=sys.stderr)

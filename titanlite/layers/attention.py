@@ -2,8 +2,9 @@
 attention layer built on it.
 
 A model states what each layer wants: a sliding window of W keys, learned per-head sinks, a
-softmax scale, and q/k may have another head dim than v (MLA). The trainer states what the
-batch is (`AttnContext`): positions, packed documents, the context-parallel group, the backend.
+softmax scale, and q/k may have another head dim than v (MLA). The trainer states, once, how
+attention runs (`AttnSetup`: the backend, the model's windows, the context-parallel shards) and,
+per batch, what the batch is (`AttnContext`: positions, packed documents).
 Masks are the seam's business; no model builds one, and no mask of shape [queries, all keys]
 outlives one block of queries.
 
@@ -26,19 +27,19 @@ back) and each of the rank's two head-tail query chunks attends to the keys up t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from titanlite.parallel.context import chunks_of, gather_sequence
+from titanlite.config.job import CHOICES
 
-BACKENDS = ("sdpa", "flex", "varlen")
+BACKENDS = CHOICES["model.attn_backend"]
 QUERY_BLOCK = 512
 """Queries per masked SDPA call: bounds a block's mask (and the math kernel's scores) at
 QUERY_BLOCK x its keys."""
@@ -57,38 +58,71 @@ class _BatchCache:
         return self.items[key]
 
 
+class SequenceShards(Protocol):
+    """This rank's share of the sequence under context parallel: two head-tail chunks of
+    2 x degree (titanlite.parallel.context.ContextParallel, bound when the model is parallelized)."""
+
+    def chunks(self) -> tuple[int, int]:
+        """The global indices of this rank's two chunks."""
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole sequence along `dim`, in order, from every rank's chunks (backward: each
+        rank's gradient back to it)."""
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's chunks of a whole sequence along `dim`."""
+
+
+@dataclass(frozen=True)
+class AttnSetup:
+    """The static facts of a model's attention, bound once for the run: the backend, the
+    model's windows and, under context parallel, the sequence's shards."""
+
+    backend: str = "sdpa"
+    """"sdpa", "flex" or "varlen" (see the module doc)."""
+    windows: tuple[int | None, ...] = ()
+    """The model's windows: with them, flex's block masks are built as a batch's context is made
+    (outside compiled blocks, once per batch)."""
+    cp: SequenceShards | None = None
+    """This rank's head-tail shard of the sequence under context parallel; the batch's positions
+    are then required (each token's global position)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"AttnSetup: backend {self.backend!r} is not one of {BACKENDS}")
+
+    def context(self, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                seq_len: int = 0, device: torch.device | None = None,
+                tokens: torch.Tensor | None = None) -> AttnContext:
+        """One batch's attention context under this setup."""
+        return AttnContext(positions, document_ids, tokens, self, seq_len, device)
+
+
 @dataclass
 class AttnContext:
-    """Per-batch attention facts the trainer knows and the model doesn't."""
+    """Per-batch attention facts the trainer knows and the model doesn't; `setup` holds the
+    static ones."""
 
     positions: torch.Tensor | None = None
     """[batch, seq] RoPE position of each of this rank's tokens; None means 0..seq-1."""
     document_ids: torch.Tensor | None = None
     """[batch, full seq] document of every token of the whole (unsharded) sequence;
     attention never crosses a document. None: one causal stream."""
-    cp_group: dist.ProcessGroup | None = None
-    """The context-parallel group when this rank holds a head-tail shard of the sequence;
-    positions are then required (each token's global position)."""
-    backend: str = "sdpa"
-    """"sdpa", "flex" or "varlen" (see the module doc)."""
-    windows: tuple[int | None, ...] = ()
-    seq_len: int = 0
-    device: torch.device | None = None
-    """The model's windows and this rank's sequence length and device: with them, flex's block
-    masks are built here, as the context is made (outside compiled blocks, once per batch)."""
-    cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
     tokens: torch.Tensor | None = None
     """[batch, seq] this rank's token ids, for a model that reads them past its first pipeline
     stage (multi-token prediction); None: the model's input is the tokens."""
+    setup: AttnSetup = AttnSetup()
+    seq_len: int = 0
+    device: torch.device | None = None
+    """This rank's sequence length and device: with them, flex's block masks are built here."""
+    cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
 
     def __post_init__(self) -> None:
-        if self.cp_group is not None and self.positions is None:
-            raise ValueError("AttnContext: a cp_group needs the positions of the rank's tokens")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"AttnContext: backend {self.backend!r} is not one of {BACKENDS}")
-        if self.backend == "flex" and self.seq_len:
+        if self.setup.cp is not None and self.positions is None:
+            raise ValueError("AttnContext: context parallel needs the positions of the rank's tokens")
+        if self.setup.backend == "flex" and self.seq_len:
             for _, start, n in _query_chunks(self, self.seq_len):
-                for window in self.windows or (None,):
+                for window in self.setup.windows or (None,):
                     _cached_block_mask(self, start, n, window, self.device)
 
 
@@ -103,17 +137,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContex
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if sinks is not None and isinstance(sinks, DTensor):  # under TP: this rank's heads
         sinks = sinks.to_local()
-    if ctx.backend == "varlen":
+    if ctx.setup.backend == "varlen":
         if sinks is not None:  # preflight refuses this before launch; callers of the API get it here
             raise ValueError("attention backend varlen cannot apply attention sinks; use sdpa or flex")
         return _varlen(q, k, v, ctx, window, scale)
-    if ctx.cp_group is not None:
+    if ctx.setup.cp is not None:
         dk = k.shape[-1]  # one all-gather for both, even when Dqk != Dv
-        kv = gather_sequence(torch.cat([k, v], dim=-1), ctx.cp_group, dim=2)
+        kv = ctx.setup.cp.gather(torch.cat([k, v], dim=-1), dim=2)
         k, v = kv[..., :dk], kv[..., dk:]
-    if ctx.backend == "flex":
+    if ctx.setup.backend == "flex":
         return _flex(q, k, v, ctx, window, sinks, scale)
-    if ctx.cp_group is None and ctx.document_ids is None and window is None and sinks is None:
+    if ctx.setup.cp is None and ctx.document_ids is None and window is None and sinks is None:
         return _sdpa(q, k, v, None, scale)
     outs = []
     for local, start, n in _query_chunks(ctx, q.shape[2]):
@@ -129,11 +163,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContex
 
 def _query_chunks(ctx: AttnContext, local_len: int) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of each contiguous run of this rank's queries."""
-    if ctx.cp_group is None:
+    if ctx.setup.cp is None:
         return [(0, 0, local_len)]
-    degree, rank = dist.get_world_size(ctx.cp_group), dist.get_rank(ctx.cp_group)
     c = local_len // 2
-    return [(j * c, chunk * c, c) for j, chunk in enumerate(chunks_of(rank, degree))]
+    return [(j * c, chunk * c, c) for j, chunk in enumerate(ctx.setup.cp.chunks())]
 
 
 def _masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0: int,
@@ -238,10 +271,25 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
     from torch.nn.attention.varlen import varlen_attn
     b, h, s, _ = q.shape
     cu, longest = ctx.cache.get(("varlen", b, s), lambda: _document_bounds(ctx, b, s, q.device))
+    gqa = {"enable_gqa": h != k.shape[1]} if _VARLEN_GQA else {}
+    if h != k.shape[1] and not _VARLEN_GQA:  # torch 2.11's kernel has no enable_gqa: repeat the key/value heads
+        k, v = (x.repeat_interleave(h // x.shape[1], 1) for x in (k, v))
     packed = [x.transpose(1, 2).reshape(b * s, x.shape[1], x.shape[3]) for x in (q, k, v)]
-    out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, enable_gqa=h != k.shape[1],
+    out = varlen_attn(*packed, cu, cu, longest, longest, scale=scale, **gqa,
                       window_size=(-1 if window is None else window - 1, 0))
     return out.view(b, s, h, -1).transpose(1, 2)
+
+
+def _varlen_takes_gqa() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_GQA = _varlen_takes_gqa()
+"""Whether this torch's varlen kernel shares key/value heads itself (enable_gqa, after torch 2.11)."""
 
 
 def _document_bounds(ctx: AttnContext, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, int]:

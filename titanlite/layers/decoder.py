@@ -7,7 +7,7 @@ frequencies are, and subclasses `Decoder` with them; this file holds the rest on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,10 @@ class DecoderArgs:
     sliding_window: int = 0
     """Keys a query sees (itself included) in sliding-window layers; 0: no window."""
     layer_types: tuple[str, ...] = ()
-    """Per layer "full_attention" or "sliding_attention" (Hugging Face's names); empty: every
-    layer slides when sliding_window is set."""
+    """Per layer one of `layer_kinds` (Hugging Face's names); empty: every layer slides when
+    sliding_window is set."""
+    layer_kinds: ClassVar[tuple[str, ...]] = ("full_attention", "sliding_attention")
+    """The layer types the family builds (Qwen3.5's: linear_attention and full_attention)."""
     attn_sinks: bool = False
     """A learned sink logit per query head in every layer (gpt-oss)."""
 
@@ -53,16 +55,18 @@ class DecoderArgs:
 
 class Block(nn.Module):
     """x + attention(norm(x)), then h + ffn(norm(h)). The feed-forward is registered as
-    `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which."""
+    `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which.
+    `attention` is any mixer called as attention(x, cos, sin, ctx): softmax attention or a linear
+    one (titanlite.layers.linear_attention.GatedDeltaNet)."""
 
     def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module | None = None,
-                 moe: MoE | None = None):
+                 moe: MoE | None = None, norm: Callable[..., nn.Module] = nn.RMSNorm):
         super().__init__()
         if (feed_forward is None) == (moe is None):
             raise ValueError("a Block takes either a feed_forward or a moe layer")
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = norm(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = norm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
         self.moe = moe
 
@@ -75,16 +79,17 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """tok_embeddings -> layers -> norm -> output. `block(i)` builds block i; `rope_freqs` are
     the RoPE frequencies (CPU, in the dtype the tables are computed in) and `rope_scale` the
-    factor on the tables (YaRN's attention factor, else 1)."""
+    factor on the tables (YaRN's attention factor, else 1); `norm(dim, eps=...)` builds the final
+    norm (titanlite.layers.norm.OffsetRMSNorm for a (1 + w) family)."""
 
     def __init__(self, args: DecoderArgs, block: Callable[[int], nn.Module], rope_freqs: torch.Tensor,
-                 rope_scale: float = 1.0):
+                 rope_scale: float = 1.0, norm: Callable[..., nn.Module] = nn.RMSNorm):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # a dict keeps parameter names stable if layers are ever removed (pipeline stages)
         self.layers = nn.ModuleDict({str(i): block(i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = norm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -109,21 +114,39 @@ class Decoder(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Draw every parameter this module holds (a pipeline stage holds some), by name. A value
         depends only on (seed, its name, its full shape), so every layout (tensor, expert or
-        pipeline parallel) starts from the weights one process would draw."""
+        pipeline parallel) starts from the weights one process would draw. Any name has a rule
+        (`init_rule`), so a parameter a fork adds anywhere is drawn the same on every layout."""
         # parameter names are the single-device model's on every layout (nothing wraps a module)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
+            draw, std, cutoff = self.init_rule(name)
+            if std is None:
                 init.ones_(param)
-            elif name == "tok_embeddings.weight" and not self.args.tie_embeddings:
-                init.normal_(param, name, seed, 1.0)
-            elif name in ("tok_embeddings.weight", "output.weight"):
-                # tied or not, drawn as the output's table, on whichever stage holds it
-                init.normal_(param, "output.weight", seed, self.args.dim ** -0.5, cutoff=3.0)
-            else:  # layers.<i>.<attention|feed_forward|moe>.[experts|shared|router].<w>[.weight]
-                layer, linear = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
-                # deeper blocks write smaller updates so the residual stream does not grow with depth
-                out_std = 0.02 / (2 * (layer + 1)) ** 0.5
-                init.normal_(param, name, seed, out_std if linear in ("wo", "w2", "w3") else 0.02, cutoff=3.0)
+            else:
+                init.normal_(param, draw, seed, std, cutoff)
+
+    def block_depth(self, name: str) -> int | None:
+        """The block index a parameter belongs to (`layers.<i>.…`), None outside the blocks. A
+        family with more blocks elsewhere (DeepSeek-V3's MTP depths) numbers them after these."""
+        head, _, rest = name.partition(".")
+        index = rest.partition(".")[0]
+        return int(index) if head == "layers" and index.isdigit() else None
+
+    def init_rule(self, name: str) -> tuple[str, float | None, float | None]:
+        """(the name the value is drawn for, std, truncation in stds) of parameter `name`; std None:
+        ones (a norm's scale). Tied weights are drawn under one name, on whichever stage holds them."""
+        if name.endswith("norm.weight"):
+            return name, None, None
+        if name == "tok_embeddings.weight" and not self.args.tie_embeddings:
+            return name, 1.0, None
+        if name in ("tok_embeddings.weight", "output.weight"):
+            return "output.weight", self.args.dim ** -0.5, 3.0
+        depth = self.block_depth(name)
+        linear = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if depth is not None and linear in ("wo", "w2", "w3"):
+            # deeper blocks write smaller updates so the residual stream does not grow with depth
+            return name, 0.02 / (2 * (depth + 1)) ** 0.5, 3.0
+        # every other weight and bias, a fork's own top-level parameters included
+        return name, 0.02, 3.0
 
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits

@@ -44,8 +44,22 @@ def normal_(param: torch.Tensor, name: str, seed: int, std: float, cutoff: float
 
 
 @torch.no_grad()
+def uniform_(param: torch.Tensor, name: str, seed: int, low: float, high: float) -> None:
+    """U(low, high), drawn for `name`."""
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    full = torch.empty(param.shape, dtype=torch.float32, device=device)
+    torch.nn.init.uniform_(full, low, high, generator=_generator(seed, name, device))
+    _assign(param, full.to(param.dtype))
+
+
+@torch.no_grad()
 def ones_(param: torch.Tensor) -> None:
     param.fill_(1.0)
+
+
+@torch.no_grad()
+def zeros_(param: torch.Tensor) -> None:
+    param.zero_()
 
 
 def to_empty(model: nn.Module, device: torch.device | str) -> None:

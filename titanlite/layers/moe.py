@@ -48,6 +48,9 @@ class MoEArgs:
     shared_hidden: int = 0
     """Width of the shared expert every token passes through (several shared experts are one
     wider one); 0: none."""
+    shared_gate: bool = False
+    """Scale the shared expert's output by sigmoid(shared_gate x), a learned per-token gate
+    (Qwen3.5-MoE's shared_expert_gate, one weight row of dim elements)."""
     score_func: str = "softmax"
     """"softmax" over experts (Qwen3-MoE), per-expert "sigmoid" (DeepSeek-V3), or "topk_softmax":
     the top k logits chosen, then a softmax over those alone (gpt-oss; `renormalize` unused)."""
@@ -162,11 +165,26 @@ class GroupedExperts(nn.Module):
                                       nn.Parameter(torch.empty(num_experts, hidden))) if biases else (None,) * 3)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.mode = mode
+        self.reset_parameters()
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
         self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
         """How counts reach the host; the dry run swaps in a balanced load."""
         self.grouped: Callable[..., torch.Tensor] = grouped_swiglu
         """The grouped-GEMM path; per-block compile swaps in its compiled form (titanlite.parallel.apply)."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Give every weight and bias a value drawn from torch's global generator, as nn.Linear does
+        for each expert's (out, in) slice, so a model built on a real device holds no uninitialised
+        memory and is the same for one `torch.manual_seed`. On meta there is nothing to fill; the
+        trainer's values come from the model's init_weights (titanlite.layers.init) either way."""
+        if self.w1.is_meta:
+            return
+        for weight, bias in ((self.w1, self.b1), (self.w2, self.b2), (self.w3, self.b3)):
+            bound = weight.shape[-1] ** -0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) and bias bound
+            nn.init.uniform_(weight, -bound, bound)
+            if bias is not None:
+                nn.init.uniform_(bias, -bound, bound)
 
     def _pick(self, x: torch.Tensor) -> bool:
         reason = "forced off by moe grouped_mm = off" if self.mode == "off" else grouped_mm_supported(
@@ -256,6 +274,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.hidden, args.num_experts, args.grouped_mm, args.expert_biases,
                                       args.swiglu_limit, args.swiglu_alpha)
         self.shared = FeedForward(dim, args.shared_hidden, F.silu) if args.shared_hidden else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_hidden and args.shared_gate else None
         # tokens routed to each expert since the last optimizer step, for balancing and metrics;
         # not saved (the step's counts are consumed by the post-step hook)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
@@ -293,7 +312,8 @@ class MoE(nn.Module):
         out = torch.empty_like(routed).index_copy(0, order, routed).view(-1, self.args.top_k, shape[-1])
         out = (out * weights.unsqueeze(-1).to(out.dtype)).sum(1)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = (self._sequence_aux_loss_sum(scores, expert_ids, shape) if self.args.aux_loss_per_sequence
                    else self._aux_loss_sum(scores, counts))

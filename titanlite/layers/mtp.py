@@ -18,12 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnContext
 from titanlite.loss import IGNORE_INDEX, add_extra_loss, cross_entropy_sum
-from titanlite.parallel.context import gather_sequence, shard_sequence
 
 MTP_LOSS = "mtp_loss"
 
@@ -55,13 +53,12 @@ def mtp_blocks(model: nn.Module) -> list[nn.Module]:
 def shifted(tokens: torch.Tensor, ctx: AttnContext | None, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids to embed, targets) for `depth`: tokens i + depth and i + depth + 1 of each of this
     rank's positions i; 0 and IGNORE_INDEX past the end of the sequence."""
-    group = None if ctx is None else ctx.cp_group
-    if group is None:
+    cp = None if ctx is None else ctx.setup.cp
+    if cp is None:
         full, index = tokens, torch.arange(tokens.shape[1], device=tokens.device)
     else:
-        full = gather_sequence(tokens, group, dim=1)
-        index = shard_sequence(torch.arange(full.shape[1], device=tokens.device), dist.get_rank(group),
-                               dist.get_world_size(group), dim=0)
+        full = cp.gather(tokens, dim=1)
+        index = cp.shard(torch.arange(full.shape[1], device=tokens.device), dim=0)
     padded = torch.cat([full, full.new_full((full.shape[0], depth + 1), IGNORE_INDEX)], dim=1)
     targets = padded[:, index + depth + 1]
     return padded[:, index + depth].clamp(min=0), targets

@@ -23,7 +23,7 @@ from titanlite.layers.mtp import mtp_blocks
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
 from titanlite.parallel.mesh import Meshes
-from titanlite.parallel.tensor import apply_tp, between_layout
+from titanlite.parallel.tensor import apply_tp, between_layout, check_tp_covered
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel, gather_dtype=autocast)
     if meshes.dims.ep > 1:
         apply_ep(model, meshes.ep)
+    if meshes.dims.tp > 1:
+        check_tp_covered(model, spec.name, spec.blocks, meshes.dims.tp)
     if meshes.dims.dp * meshes.dims.cp * meshes.dims.tp > 1:
         set_stats_group(model, meshes.routed["dp_cp_tp"].get_group())
     apply_ac(every_block, opts.activation_checkpoint)

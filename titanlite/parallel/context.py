@@ -9,6 +9,8 @@ runs local SDPA; see titanlite.layers.attention. Plain collectives only, so it t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -83,3 +85,26 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     chunks = full.unflatten(0, (2 * degree, -1))
     full = torch.cat([chunks[order.index(c)] for c in range(2 * degree)])
     return full.movedim(0, dim)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The cp group as attention and multi-token prediction see it (the SequenceShards of
+    titanlite.layers.attention): bound once, when the model's attention is set up for the run."""
+
+    group: dist.ProcessGroup
+    rank: int
+    degree: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> ContextParallel:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def chunks(self) -> tuple[int, int]:
+        return chunks_of(self.rank, self.degree)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return gather_sequence(x, self.group, dim)
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return shard_sequence(x, self.rank, self.degree, dim)

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import GroupedExperts, MoE, MoEArgs
@@ -77,6 +77,13 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             moe.experts.register_parameter(
                 name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
         moe.dispatch = partial(ep_dispatch, group=ep_mesh.get_group(), ep=ep)
+        for name, p in moe.experts.named_parameters():
+            if not isinstance(p, DTensor):
+                # ep_dispatch runs each rank's experts on its own shard: a whole copy would be
+                # trained by some experts' tokens only on each rank, and drift apart
+                raise ConfigError(f"parallelism.expert_parallel_degree {ep}: the experts' parameter {name} is not "
+                                  "sharded by expert parallel, which shards GroupedExperts' own [num_experts, ...] "
+                                  "parameters only; hold it there")
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard: bool) -> None:

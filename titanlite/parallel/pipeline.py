@@ -27,8 +27,8 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, PipelineScheduleSingle,
                                                     get_schedule_class)
 
-from titanlite.layers.attention import AttnContext
-from titanlite.config.job import Parallelism
+from titanlite.layers.attention import AttnSetup
+from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import extra_losses, loss_context
 from titanlite.model_spec import ModelSpec
@@ -36,8 +36,7 @@ from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.step import Batch, StepOutput, count_targets
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-             "DualPipeV")
+SCHEDULES = CHOICES["parallelism.pipeline_parallel_schedule"]
 # Schedules with two stages per rank placed in a V (first and last stage on rank 0)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input and weight gradients (the graph is kept between them)
@@ -82,17 +81,10 @@ def split_blocks(n_blocks: int, n_stages: int, first_less: int, last_less: int) 
     return counts
 
 
-def check_schedule_name(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallelism.pipeline_parallel_schedule: unknown schedule '{name}'; "
-                          f"use one of {', '.join(SCHEDULES)}")
-
-
 def plan_stages(cfg: Parallelism, n_blocks: int, local_batch_size: int) -> StagePlan:
     """Stage count and block ranges, or a ConfigError naming the key to change."""
     pp, name = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
     key = "parallelism.pipeline_parallel_"
-    check_schedule_name(name)
     mbs = cfg.pipeline_parallel_microbatch_size
     if mbs < 1 or local_batch_size % mbs:
         raise ConfigError(f"{key}microbatch_size {mbs} does not divide training.local_batch_size "
@@ -144,6 +136,14 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
     """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
+    kept = {spec.blocks, *spec.pre, *spec.post}
+    # every stage would hold its own untied copy of these, trained on that stage's gradients alone
+    stray = [f"module '{n}'" for n, _ in model.named_children() if n not in kept]
+    stray += [f"parameter '{n}' (hold it in a module of its own)" for n, _ in model.named_parameters(recurse=False)]
+    if stray:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s top-level {stray[0]} is in no "
+                          f"pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
+                          f"(after them) in models/{spec.name}/__init__.py")
     if not is_first:
         for name in spec.pre:
             setattr(model, name, nn.Identity())
@@ -164,12 +164,12 @@ def stage_modules(spec: ModelSpec, args, stages: StagePlan, meshes: Meshes) -> l
             for s in stages.stages_of(meshes.pp.get_local_rank(), meshes.dims.pp)]
 
 
-def _to_context(make_ctx: Callable) -> Callable:
+def _to_context(attn: AttnSetup) -> Callable:
     """A forward pre-hook: a stage is called as part(x, positions=..., document_ids=...) (the
     schedule chunks keyword tensors along the batch, for every stage); the model wants part(x, ctx)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0]
-        return (x, make_ctx(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
+        return (x, attn.context(kwargs.get("positions"), kwargs.get("document_ids"), seq_len=x.shape[1],
                             device=x.device, tokens=kwargs.get("tokens"))), {}
     return hook
 
@@ -183,6 +183,7 @@ class StageShapes:
     hidden: tuple[int, ...]
     logits: tuple[int, ...]
     hidden_dtype: torch.dtype
+    logits_dtype: torch.dtype
 
 
 def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
@@ -197,9 +198,10 @@ def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims
     rows, seq, dim = hidden.shape
     if dims.tp > 1 and opts.sequence_parallel:
         seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
-    # FSDP computes in its parameter dtype; autocast keeps the residual stream in float32
+    # FSDP computes in its parameter dtype; autocast keeps the residual stream in float32, and
+    # either gives the output layer's logits in the parameter dtype
     dtype = opts.param_dtype if dims.fsdp else torch.float32
-    return StageShapes(tuple(tokens.shape), (rows, seq, dim), tuple(logits.shape), dtype)
+    return StageShapes(tuple(tokens.shape), (rows, seq, dim), tuple(logits.shape), dtype, opts.param_dtype)
 
 
 @dataclass
@@ -215,13 +217,11 @@ class PipelineStep:
     meshes: Meshes
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     opts: ParallelizeOptions
-    context: Callable[..., AttnContext]
-    """(positions, document_ids, seq_len=, device=) -> a micro-batch's attention context."""
+    attn: AttnSetup
+    """The model's attention setup (backend, windows, cp), which makes each micro-batch's context."""
     autocast: contextlib.AbstractContextManager
     device: torch.device
     shapes: StageShapes
-    inject: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-    """Fault injection for tests (titanlite.runtime.fault.Guard.inject_loss), on the last stage's losses."""
 
     def __post_init__(self) -> None:
         ids = self.plan.stages_of(self.meshes.pp.get_local_rank(), self.meshes.dims.pp)
@@ -239,9 +239,9 @@ class PipelineStep:
         # the previous stage gets no gradient back
         hidden = torch.empty(sh.hidden, dtype=sh.hidden_dtype, device="meta", requires_grad=True)
         inp = torch.empty(sh.tokens, dtype=torch.long, device="meta") if s == 0 else hidden
-        out = torch.empty(sh.logits, device="meta") if s == self.plan.n_stages - 1 else hidden
-        part.register_forward_pre_hook(_to_context(
-            self.context), with_kwargs=True)
+        # the last stage's declared logits carry their real dtype: torch 2.11 checks it against the output
+        out = torch.empty(sh.logits, dtype=sh.logits_dtype, device="meta") if s == self.plan.n_stages - 1 else hidden
+        part.register_forward_pre_hook(_to_context(self.attn), with_kwargs=True)
         return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
                              group=self.meshes.pp.get_group())
 
@@ -282,7 +282,7 @@ class PipelineStep:
         return cls(stages, n_microbatches=self.plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.inject(self.loss_fn(logits, labels))
+        loss = self.loss_fn(logits, labels)
         self._sums.append(loss.detach())
         return loss / self._n_targets
 

@@ -9,6 +9,7 @@ whole sequence, work on this rank's heads / hidden units, and reduce(-scatter) b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -80,6 +81,15 @@ class TokenParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return run_whole(module, mesh, Shard(0))
+
+
+def check_decoder_tp(args: Any, tp: int) -> None:
+    """What every family's shapes must allow under tensor parallel (titanlite.preflight calls
+    it for all of them): whole KV heads per rank and heads and vocabulary divisible. Every other
+    split width (FFN hidden units, MLA projections) is checked where the plan splits it (`apply_tp`)."""
+    if tp > 1:
+        check_tp(tp, args.n_kv_heads, {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+                                       "vocab_size": args.vocab_size})
 
 
 def check_tp(tp: int, n_kv_heads: int, sizes: dict[str, int]) -> None:
@@ -172,6 +182,47 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
+def _check_split_widths(block: nn.Module, entries: dict[str, ParallelStyle], tp: int) -> None:
+    """Refuse a width the plan splits that tp does not divide (a fork's FFN hidden size), naming
+    the parameter, before any weight is allocated: DTensor would shard it unevenly without a word."""
+    for name, style in entries.items():
+        module = block.get_submodule(name)
+        dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
+        weight = getattr(module, "weight", None)
+        if dim is None or not isinstance(weight, torch.Tensor) or weight.shape[dim] % tp == 0:
+            continue
+        raise ConfigError(f"parallelism.tensor_parallel_degree {tp} does not divide {name}.weight's "
+                          f"{'output' if dim == 0 else 'input'} width {weight.shape[dim]}, which the TP plan splits; "
+                          "pick a degree that divides it")
+
+
+def check_tp_covered(model: nn.Module, family: str, blocks: str, tp: int) -> None:
+    """After tensor (and expert) parallel: refuse, naming it and the plan entry to add, any
+    parameter the plan left a plain tensor. Its neighbours are DTensors, so it would be trained
+    as if each rank's copy were the whole (a QK-norm weight's gradient summed over one rank's
+    heads only) and drift apart across ranks, with no error."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            continue
+        owner, _, attr = name.rpartition(".")
+        head, _, rest = owner.partition(".")
+        in_block = head == blocks and bool(rest)
+        path = rest.partition(".")[2] if in_block else owner  # within the block (or the root); "": itself
+        if not path or next(model.get_submodule(owner).children(), None) is not None:
+            # held directly by a module with children (attention sinks, a fork's own scale)
+            entry = f"{path}.{attr}".lstrip(".")
+            where = ("TPPlan.head_params (split with the heads), or a module of its own in TPPlan.block"
+                     if in_block else "a module of its own in TPPlan.root")
+        elif path.rpartition(".")[2].endswith("norm"):
+            entry = path
+            where = ("TPPlan.block (QK-norm: decoder_plan(..., qk_norm=True)) or block_norms (on the residual stream)"
+                     if in_block else "TPPlan.root_norms")
+        else:
+            entry, where = path, "TPPlan.block" if in_block else "TPPlan.root"
+        raise ConfigError(f"parallelism.tensor_parallel_degree {tp}: parameter {name} is not covered by {family}'s "
+                          f"TP plan (models/{family}/parallelize.py tp_plan); add '{entry}' to {where}")
+
+
 def gather_in(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast `module`'s floating-point inputs to `dtype` before its TP input hook gathers them.
     Under autocast the residual stream (and a norm's output) is float32 and the matmuls cast
@@ -198,7 +249,8 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TP
         block |= {n: SequenceParallel() for n in plan.block_norms}
     else:
         norms = [model.get_submodule(n) for n in _present(model, plan.root_norms)]
-        norms += [b.get_submodule(n) for b in blocks.values() for n in plan.block_norms]
+        # as under sequence parallel, a block holds the norms it has (a fork may drop ffn_norm)
+        norms += [b.get_submodule(n) for b in blocks.values() for n in plan.block_norms if _has(b, n)]
         for norm in norms:
             _replicate(norm, mesh)
     parallelize_module(model, mesh, root)
@@ -209,7 +261,9 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TP
             gather_in(model.get_submodule(name), gather_dtype)
     for b in blocks.values():
         # a block holds either a dense feed-forward or a MoE layer: its plan is the entries it has
-        parallelize_module(b, mesh, {n: style for n, style in block.items() if _has(b, n)})
+        entries = {n: style for n, style in block.items() if _has(b, n)}
+        _check_split_widths(b, entries, mesh.size())
+        parallelize_module(b, mesh, entries)
         for name in plan.head_params:
             owner, _, attr = name.rpartition(".")
             if isinstance(getattr(b.get_submodule(owner), attr, None), nn.Parameter):

@@ -1,8 +1,9 @@
 """Surviving faults: preemption signals, hung or dead peers, non-finite steps.
 
-Every rank holds one `Guard`. Once per step it all-reduces (SUM, over the world) this rank's
-share of the squared gradient norm together with two counts: ranks asked to stop by
-SIGTERM/SIGINT, ranks whose loss is non-finite. So every rank takes the same decision at
+Every rank holds one `Guard`: a `Watchdog`, a `StopVote` and a `StepVerdict`. Once per step
+the global gradient norm's all-reduce (titanlite.parallel.grad_norm.global_norm: SUM, over the
+world) carries two counts with it: ranks asked to stop by SIGTERM/SIGINT, ranks whose loss is
+non-finite. So every rank takes the same decision at
 the same step, even when only one rank was signalled, and clipping needs no second
 collective.
 
@@ -24,7 +25,7 @@ NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the r
 `slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
 comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
 SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
-SLOW_S in the rank's step from that step on (a straggler).
+SLOW_S in the rank's step from that step on, before its votes (a straggler).
 """
 
 from __future__ import annotations
@@ -112,80 +113,38 @@ _active: Guard | None = None
 """This process's guard while training runs, for as_run_error()."""
 
 
-class Guard:
-    """Signals, the step watchdog and the per-step agreement for one rank."""
+class Watchdog:
+    """Bounds each phase of a step: past its deadline the rank writes every thread's stack to
+    hang/ and exits (a rank blocked in a collective cannot raise)."""
 
-    def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
-                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
-                 window: SpikeWindow | None = None) -> None:
-        """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
-        (titanlite.parallel.mesh.Groups.set_timeout). `window`: the spike statistics when
-        training.on_spike is on (checkpointed by the caller)."""
-        self.rank, self.comm, self.training = rank, comm, training
+    def __init__(self, rank: int, hang_folder: Path, comm: Comm, first_step: int,
+                 set_comm_timeout: Callable[[float], None]) -> None:
+        self.rank, self.comm, self.hang_folder, self.first_step = rank, comm, hang_folder, first_step
         self.set_comm_timeout = set_comm_timeout
-        self._comm_key: str | None = None
-        self.shutdown_timeout_s = shutdown_timeout_s
-        self.hang_folder = Path(dump_folder) / "hang"
-        # once per launch: not again in an attempt torchrun restarted (titanlite.runtime.restart)
-        fired = fired_faults()
-        self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if _spec(f) not in fired}
-        self.step = start_step
+        self.step = first_step - 1
         """The step running now, or the last one completed."""
-        self.first_step = start_step + 1
-        self._step_start = time.perf_counter()
-        self.own_s = 0.0
-        """This rank's own time in the step, up to its closing all-reduce (host timer; the
-        straggler report); a wait inside an earlier collective counts as the waiting rank's."""
-        self.skipped = 0
-        self.spikes = 0
-        """Steps skipped as loss or gradient-norm spikes (training.on_spike skip or rollback)."""
-        self.window = window
-        self.streak: list[int] = []
-        """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
-        self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
-        self.stop = False
-        """All ranks stop after this step: a signal reached one of them (a read verdict)."""
-        self.skip = False
-        """This step's verdict was read at once and its update is skipped (non-finite)."""
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
-        self.signal_name: str | None = None
+        self._comm_key: str | None = None
+        self._final = False  # a shutdown deadline stands: no later phase moves it
         self._deadline = float("inf")
         self._what = ""
         self._phase = "start-up"
         self._lock = threading.RLock()  # re-entered by the signal handler on the main thread
         self._closed = threading.Event()
-        self._fired = threading.Event()
-        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.fired = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="titanlite-watchdog", daemon=True)
         self._thread.start()
-        global _active
-        _active = self
-
-    # -- signals and the watchdog -------------------------------------------------------
-    def _on_signal(self, signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if self.signal_name is not None:
-            # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
-            # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
-            if self.signal_name == name == "SIGINT":
-                last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
-                os._exit(128 + signum)
-            return
-        self.signal_name = name
-        if self.rank == 0:
-            print(f"titanlite: {name} received at step {self.step}; stopping once every rank has seen it", flush=True)
-        with self._lock:
-            self._set_deadline(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
 
     def arm(self, seconds: float, what: str) -> None:
-        """Exit with a hang report unless the next arm() comes within `seconds`. Once a stop
-        signal arrived, its shutdown deadline stands."""
+        """Exit with a hang report unless the next arm() comes within `seconds`."""
         with self._lock:
-            if self.signal_name is None:
-                self._set_deadline(seconds, what)
+            if not self._final:
+                self._deadline, self._what = time.monotonic() + seconds, f"{what} ({seconds:g} s)"
 
-    def _set_deadline(self, seconds: float, what: str) -> None:
-        self._deadline, self._what = time.monotonic() + seconds, f"{what} ({seconds:g} s)"
+    def shutdown(self, seconds: float, what: str) -> None:
+        """The last deadline: the run must be done within `seconds`, whatever phase follows."""
+        with self._lock:
+            self.arm(seconds, what)
+            self._final = True
 
     def phase(self, name: str) -> None:
         """Start a phase of the step: compute, checkpoint save, logging or validation. Each has
@@ -200,15 +159,13 @@ class Guard:
             self._comm_key = key
         with self._lock:
             self._phase = name
-        if name == "checkpoint save" and self._injected("slowsave"):
-            time.sleep(self.comm.init_timeout_s + 2)
 
     def _watch(self) -> None:
         while not self._closed.wait(0.2):
             with self._lock:
                 expired, what = time.monotonic() > self._deadline, f"{self._what} in {self._phase}"
             if expired:
-                self._fired.set()
+                self.fired.set()
                 path = dump_hang_report(self.hang_folder, self.rank, f"step {self.step}: exceeded {what}")
                 last_word(self.rank, HANG_EXIT_CODE, f"titanlite: error: step {self.step}: exceeded {what} on rank "
                           f"{self.rank} (a peer rank may be hung or dead); stacks written to {path}")
@@ -218,75 +175,80 @@ class Guard:
     def close(self) -> None:
         self._closed.set()
         self._thread.join()
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        global _active
-        _active = None
 
-    # -- the step -------------------------------------------------------------------
-    def start_step(self, step: int) -> None:
-        """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
-        self.step = step
-        self._step_start = time.perf_counter()
-        self.phase("compute")
-        if self._injected("kill"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self._injected("hang"):
-            threading.Event().wait()
 
-    def _injected(self, kind: str) -> bool:
-        fault = next((f for f in [(kind, self.step, self.rank), (kind, self.step, None)] if f in self.faults), None)
-        if fault is not None:
-            note_fired(_spec(fault))
-        return fault is not None
+class StopVote:
+    """SIGTERM or SIGINT on any rank stops every rank after the same step: this rank's vote
+    rides on the step's one all-reduce (titanlite.parallel.grad_norm.global_norm)."""
 
-    def rolled_back(self, step: int) -> None:
-        """The run went back to `step` (a spike rollback): the verdict still unread is of a step
-        undone, and each injected fault has fired (once per run, as after a restart)."""
-        self.faults = {f for f in self.faults if f[1] > self.step}
-        self._pending, self.streak, self.step = None, [], step
+    def __init__(self, rank: int, shutdown_timeout_s: int, watchdog: Watchdog) -> None:
+        self.rank, self.shutdown_timeout_s, self.watchdog = rank, shutdown_timeout_s, watchdog
+        self.signal_name: str | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    def inject_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._injected("nan"):
-            return loss * float("nan")
-        return loss * SPIKE_FACTOR if self._injected("spike") else loss
+    def _on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
+            # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
+            if self.signal_name == name == "SIGINT":
+                last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
+                os._exit(128 + signum)
+            return
+        self.signal_name = name
+        if self.rank == 0:
+            print(f"titanlite: {name} received at step {self.watchdog.step}; stopping once every rank has seen it",
+                  flush=True)
+        self.watchdog.shutdown(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
 
-    def end_step(self, loss_sum: torch.Tensor, grad_sq: torch.Tensor, read_now: bool,
-                 loss_share: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One all-reduce over the world. Returns the global gradient norm and a device flag,
-        1.0 when this step must not update (the fused optimizer's `found_inf`). Reads the
-        previous step's verdict if still unread, and this step's too when `read_now` or when
-        the run stops after this step (nothing may be saved unread); a read
-        verdict sets `stop` and `skip`, or raises RunError for a non-finite step under `stop`
-        or too many skips. `loss_share`: this rank's share of the global mean loss (the spike
-        window's input; summed over the world it is the step's loss), needed with on_spike."""
-        if self._slow_from is not None and self.step >= self._slow_from:
-            if self.step == self._slow_from:
-                note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
-            time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
-        self.own_s = time.perf_counter() - self._step_start
+    def vote(self, device: torch.device) -> torch.Tensor:
         # torch.full fills on the device; torch.tensor(x, device=cuda) would copy from pageable
         # host memory and synchronize the stream every step
-        signalled = torch.full((), float(self.signal_name is not None), device=loss_sum.device)
-        parts = [grad_sq, signalled, (~torch.isfinite(loss_sum)).float()]
-        if self.window is not None:
-            parts.append(loss_share)
-        stats = torch.stack(parts)
-        dist.all_reduce(stats)
-        norm = stats[0].sqrt()
-        bad_loss, bad_grad = stats[2] > 0, ~torch.isfinite(norm)
-        spike = (self.window.judge(stats[3], norm, bad_loss | bad_grad) if self.window is not None
+        return torch.full((), float(self.signal_name is not None), device=device)
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class StepVerdict:
+    """What a step's summed votes decide: stop after it, skip its update (non-finite loss or
+    gradient norm under on_nonfinite = skip), or end the run with a RunError. Read on the host
+    one step late unless asked (see the module doc)."""
+
+    def __init__(self, rank: int, training: Training, window: SpikeWindow | None = None) -> None:
+        """`window`: the spike statistics when training.on_spike is on (checkpointed by the caller)."""
+        self.rank, self.training, self.window = rank, training, window
+        self.skipped = 0
+        self.spikes = 0
+        """Steps skipped as loss or gradient-norm spikes (training.on_spike skip or rollback)."""
+        self.streak: list[int] = []
+        """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
+        self.stop = False
+        """All ranks stop after this step: a signal reached one of them (a read verdict)."""
+        self.skip = False
+        """This step's verdict was read at once and its update is skipped (non-finite)."""
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def __call__(self, step: int, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
+        """`votes`: (ranks signalled, ranks with a non-finite loss[, the mean loss with a spike
+        window]), summed over the world. Returns a device flag, 1.0 when this step must not
+        update (the fused optimizer's `found_inf`): non-finite, or a spike. Reads the previous
+        step's verdict if still unread, and this step's too when `read_now` or when the run
+        stops after this step (nothing may be saved unread)."""
+        bad_loss, bad_grad = votes[1] > 0, ~torch.isfinite(norm)
+        spike = (self.window.judge(votes[2], norm, bad_loss | bad_grad) if self.window is not None
                  else torch.zeros((), dtype=torch.bool, device=norm.device))
-        verdict = torch.stack([stats[1] > 0, bad_loss, bad_grad, spike])
+        verdict = torch.stack([votes[0] > 0, bad_loss, bad_grad, spike])
         if self._pending is not None:
-            self._read(*self._pending)
-        self._pending = (self.step, *_start_host_copy(verdict))
+            self._read(*self._pending, step)
+        self._pending = (step, *_start_host_copy(verdict))
         self.skip = False
         if read_now or self.stop:  # a stopping step saves and logs: it syncs anyway
-            self._read(*self._pending)
-        return norm, (verdict[1] | verdict[2] | verdict[3]).float()
+            self._read(*self._pending, step)
+        return (verdict[1] | verdict[2] | verdict[3]).float()
 
-    def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+    def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None, now: int) -> None:
         self._pending = None
         if copied is not None:
             copied.synchronize()
@@ -305,7 +267,7 @@ class Guard:
             raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
                            "data, or set training.on_nonfinite = skip")
-        self.skip = step == self.step
+        self.skip = step == now
         self.skipped += 1
         if self.skipped > self.training.max_skipped_steps:
             raise RunError(f"step {step}: {self.skipped} steps with non-finite loss or gradients, more "
@@ -313,6 +275,98 @@ class Guard:
         if self.rank == 0:
             print(f"titanlite: warning: step {step}: {'' if spike else 'non-finite '}{what}; optimizer step skipped "
                   f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
+
+
+class Guard:
+    """One rank's watchdog, stop vote and step verdict, and the faults TITANLITE_FAULTS injects."""
+
+    def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
+                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
+                 window: SpikeWindow | None = None) -> None:
+        """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
+        (titanlite.parallel.mesh.Groups.set_timeout); `window`: StepVerdict's."""
+        self.rank, self.comm = rank, comm
+        self.hang_folder = Path(dump_folder) / "hang"
+        # once per launch: not again in an attempt torchrun restarted (titanlite.runtime.restart)
+        fired = fired_faults()
+        self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if _spec(f) not in fired}
+        self.watchdog = Watchdog(rank, self.hang_folder, comm, start_step + 1, set_comm_timeout)
+        self.vote = StopVote(rank, shutdown_timeout_s, self.watchdog)
+        self.verdict = StepVerdict(rank, training, window)
+        self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
+        self._step_start = time.perf_counter()
+        self.own_s = 0.0
+        """This rank's own time in the step, up to its votes (host timer; the straggler report);
+        a wait inside an earlier collective counts as the waiting rank's."""
+        global _active
+        _active = self
+
+    @property
+    def step(self) -> int:
+        """The step running now, or the last one completed."""
+        return self.watchdog.step
+
+    def start_step(self, step: int) -> None:
+        """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
+        self.watchdog.step = step
+        self._step_start = time.perf_counter()
+        self.phase("compute")
+        if self._injected("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._injected("hang"):
+            threading.Event().wait()
+
+    def phase(self, name: str) -> None:
+        self.watchdog.phase(name)
+        if name == "checkpoint save" and self._injected("slowsave"):
+            time.sleep(self.comm.init_timeout_s + 2)
+
+    def votes(self, loss_sum: torch.Tensor, loss_share: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's votes for the step's all-reduce: signalled, non-finite loss, and with a
+        spike window `loss_share`, this rank's share of the step's mean loss (summed over the
+        world, the loss the window judges). The rank's own step time ends here."""
+        if self._slow_from is not None and self.step >= self._slow_from:
+            if self.step == self._slow_from:
+                note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
+            time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
+        self.own_s = time.perf_counter() - self._step_start
+        votes = [self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()]
+        return torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
+
+    def decide(self, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
+        """The step's verdict from the global norm and the summed votes (StepVerdict)."""
+        return self.verdict(self.step, norm, votes, read_now)
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to `step` (a spike rollback): the verdict still unread is of a step
+        undone, and each injected fault has fired (once per run, as after a restart)."""
+        self.faults = {f for f in self.faults if f[1] > self.step}
+        self.verdict._pending, self.verdict.streak, self.watchdog.step = None, [], step
+
+    def _injected(self, kind: str) -> bool:
+        fault = next((f for f in [(kind, self.step, self.rank), (kind, self.step, None)] if f in self.faults), None)
+        if fault is not None:
+            note_fired(_spec(fault))
+        return fault is not None
+
+    def faulty_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`loss_fn`, non-finite in the training step that a `nan` fault names, SPIKE_FACTOR times
+        larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
+        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            out = loss_fn(logits, labels)
+            if not torch.is_grad_enabled():
+                return out
+            if self._injected("nan"):
+                return out * float("nan")
+            return out * SPIKE_FACTOR if self._injected("spike") else out
+        return loss
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.vote.close()
+        global _active
+        _active = None
 
 
 def _start_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -330,8 +384,8 @@ def _start_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | 
 def defer_to_watchdog() -> None:
     """Once the watchdog has reported a hang, a failing collective is its consequence (a peer
     that reported first has exited): let the watchdog finish and exit with the hang code."""
-    if _active is not None and _active._fired.is_set():
-        _active._thread.join()
+    if _active is not None and _active.watchdog.fired.is_set():
+        _active.watchdog.close()
 
 
 def as_run_error(e: BaseException) -> RunError | None:

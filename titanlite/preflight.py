@@ -4,6 +4,7 @@ in one line, on every rank (and once, before launch, through `python -m titanlit
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, check_schedule_name, plan_stages, tied_names
+from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, plan_stages, tied_names
+from titanlite.parallel.tensor import check_decoder_tp
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
 
@@ -42,18 +44,30 @@ class Plan:
     """The pipeline stages (None without pipelining)."""
 
 
-def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
-    """All checks that need no process group, so bad input fails fast on every rank. `data=False`
-    (the dry run, which reads no data) leaves the data sources and their size unchecked."""
+def preflight(cfg: JobConfig, world_size: int) -> Plan:
+    """All checks that need no process group, so bad input fails fast on every rank: the plan,
+    then the data (its sources, and enough of it for a batch and for validation)."""
+    plan = make_plan(cfg, world_size)
+    probe_data(cfg.data, cfg.validation)
+    t = cfg.training
+    preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                   t.local_batch_size, plan.dims.dp)
+    return plan
+
+
+def make_plan(cfg: JobConfig, world_size: int) -> Plan:
+    """The Plan, and every check of it that reads no data (the dry run and the planner plan any
+    size of job without it)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
-    if dims.ep > 1 and not hasattr(args, "moe"):
+    if dims.ep > 1 and getattr(args, "moe", None) is None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
                           "has no experts; set it to 1")
+    check_decoder_tp(args, dims.tp)  # every family, before its own checks
     spec.check_layout(args, dims)
     check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
-    if hasattr(args, "moe") and cfg.moe.grouped_mm == "on":
+    if getattr(args, "moe", None) is not None and cfg.moe.grouped_mm == "on":
         check_grouped_mm((args.moe.hidden, args.dim), cfg.training)
     context.check_seq_len(cfg.training.seq_len, dims.cp)
     # sequence parallel splits each rank's (context-parallel) share of the sequence over tp
@@ -67,8 +81,6 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "
                           "launch it without torchrun or with --nproc_per_node=1")
-    if data:
-        probe_data(cfg.data, cfg.validation)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"data.tokenizer has {tokenizer.vocab_size} ids but the model embeds only "
                           f"{args.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
@@ -81,11 +93,8 @@ def preflight(cfg: JobConfig, world_size: int, data: bool = True) -> Plan:
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
-    if data:
-        preflight_data(cfg.data, cfg.validation, tokenizer, t.seq_len, gbs, t.local_batch_size, dims.dp)
     with torch.device("meta"):
         model = spec.build(args)
-    check_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
     return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
 
@@ -142,10 +151,10 @@ def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
     if window > context:
         raise ConfigError(f"the flavor's sliding_window {window} is larger than the model's context ({context} "
                           "tokens); a window that sees everything is no window: set 0")
-    kinds = {"full_attention", "sliding_attention"}
-    if args.layer_types and (len(args.layer_types) != args.n_layers or set(args.layer_types) - kinds):
+    kinds = args.layer_kinds
+    if args.layer_types and (len(args.layer_types) != args.n_layers or set(args.layer_types) - set(kinds)):
         raise ConfigError(f"the flavor's layer_types must name each of its {args.n_layers} layers "
-                          f"'full_attention' or 'sliding_attention', got {args.layer_types}")
+                          f"{' or '.join(repr(k) for k in kinds)}, got {args.layer_types}")
     if backend == "flex":
         try:
             from torch.nn.attention import flex_attention  # noqa: F401
@@ -156,6 +165,9 @@ def check_attention(backend: str, args: Any, cp: int, cuda: bool) -> None:
             raise ConfigError(f"model.attn_backend flex: torch {torch.__version__} has no FlexAttention "
                               "backward on CPU; train on CUDA or use sdpa")
     if backend == "varlen":
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            raise ConfigError(f"model.attn_backend varlen: torch {torch.__version__} has no "
+                              "torch.nn.attention.varlen; use sdpa or flex, or a newer torch")
         if not cuda:
             raise ConfigError("model.attn_backend varlen runs on CUDA only; use sdpa or flex")
         if cp > 1:

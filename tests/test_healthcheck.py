@@ -1,0 +1,87 @@
+"""The health check (titanlite.tools.healthcheck): its judgement on figures from test doubles, and
+one real CPU run over two gloo ranks with a slow device and a wrong loss injected."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from titanlite.tools.healthcheck import assess, datasheet
+
+REPO = Path(__file__).resolve().parent.parent
+OPTS = {"min_share": 0.9, "min_datasheet_share": 0.7, "tolerance": 0.25, "skip_run": True}
+LOSSES = [6.3, 6.1, 5.9, 5.7, 5.5]
+
+
+def _rank(rank: int, matmul: float, gpu: str = "NVIDIA H100 80GB HBM3", membw: float = 3000.0) -> dict:
+    return {"rank": rank, "node": 0, "host": "n0", "gpu": gpu, "matmul_tflops": matmul, "membw_gbps": membw,
+            "numerics": {"host_fp32": LOSSES, "device_fp32": LOSSES, "device_bf16": LOSSES},
+            "collectives": {"all_reduce node": 300.0}}
+
+
+def _status(rows: list[dict], check: str) -> str:
+    return next(r["status"] for r in rows if r["check"].startswith(check))
+
+
+def test_slow_device_is_named_against_median_and_datasheet():
+    # a test double for the matmul rate: rank 2 measures 60% of its peers, which themselves sit at
+    # 85% of the H100's best measured rate (792 TFLOPS)
+    checks = {"ranks": [_rank(0, 675.0), _rank(1, 672.0), _rank(2, 400.0), _rank(3, 670.0)]}
+    rows = assess(checks, None, None, OPTS)
+    assert [r["status"] for r in rows if r["check"].startswith("matmul")] == ["PASS", "PASS", "FAIL", "PASS"]
+    slow = next(r for r in rows if r["check"].startswith("matmul rank 2"))
+    assert "of the node median" in slow["note"] and "of the datasheet" in slow["note"]
+    assert _status(rows, "all_reduce node") == "PASS"  # 300 GB/s of NVLink's 450 x 0.8
+    # the same node on a part the dry run has no figures for: the median alone judges
+    pcie = {"ranks": [_rank(r, m, gpu="NVIDIA H100 PCIe") for r, m in enumerate((300.0, 302.0, 150.0))]}
+    rows = assess(pcie, None, None, OPTS)
+    assert [r["status"] for r in rows if r["check"].startswith("matmul")] == ["PASS", "PASS", "FAIL"]
+    assert _status(rows, "all_reduce node") == "INFO" and datasheet("NVIDIA H100 PCIe") is None
+
+
+def test_numerics_and_prediction_judged():
+    bad = _rank(0, 700.0)
+    bad["numerics"] = {"host_fp32": LOSSES, "device_fp32": [x + 2e-4 for x in LOSSES],
+                       "device_bf16": [x * 1.03 for x in LOSSES]}
+    run = {"model": "llama3 1B", "layout": "dp_shard 1", "local_batch_size": 2, "seq_len": 8192,
+           "tokens_per_sec_per_device": 14000.0, "mfu_pct": 30.0, "peak_memory_gib": 30.0}
+    pred = {"predicted": {"tokens_per_sec_per_gpu": 20000.0, "mfu_pct": 40.0}, "roles": [{"memory_gib": {"peak": 28.0}}]}
+    rows = assess({"ranks": [bad]}, run, pred, {**OPTS, "skip_run": False})
+    assert _status(rows, "numerics fp32") == "FAIL" and _status(rows, "numerics bf16") == "FAIL"
+    assert _status(rows, "job tokens/s") == "FAIL"  # 30% below the prediction, past the 25% tolerance
+    assert "-30.0%" in next(r["reference"] for r in rows if r["check"].startswith("job tokens/s"))
+
+
+def test_cpu_healthcheck_runs_and_fails_on_injected_faults(tmp_path):
+    """The whole check on two gloo ranks, as a user runs it: rank 1's matmul rate halved and rank
+    0's device losses shifted by 1e-3 must be named, and the run exits 1."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "TITANLITE_HEALTH_INJECT": "slow_matmul:1,bad_numerics:0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "titanlite.tools.healthcheck", "--steps", "2", "--warmup", "1",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["check"]: r for r in report["rows"]}
+    assert rows["matmul rank 1 (%s)" % report["checks"]["ranks"][1]["host"]]["status"] == "FAIL"
+    assert rows["numerics fp32 rank 0"]["status"] == "FAIL" and rows["numerics fp32 rank 1"]["status"] == "PASS"
+    assert rows["numerics bf16 rank 1"]["status"] == "PASS"
+    assert rows["feature compile (node 0)"]["status"] == "PASS"
+    assert {rows[f"feature {f} (node 0)"]["status"] for f in ("float8", "flex", "varlen")} == {"SKIP"}
+    assert report["run"]["tokens_per_sec_per_device"] > 0 and report["checks"]["world_size"] == 2
+    assert {r["status"] for r in report["rows"]} <= {"PASS", "FAIL", "SKIP", "INFO"}
+    # nothing else fails, but the rate rows of two ranks sharing a busy CPU with other jobs
+    failed = [r["check"] for r in report["rows"] if r["status"] == "FAIL"]
+    assert all(c.startswith(("matmul", "membw")) or c == "numerics fp32 rank 0" for c in failed), failed
+    assert proc.stdout.splitlines()[-1].startswith(f"health check: {len(failed)} failed")
+
+
+def test_run_train_sh_runs_the_healthcheck():
+    """./run_train.sh --healthcheck hands its flags to the health check (stopped here by a bad
+    one: exit 2 and one line)."""
+    proc = subprocess.run([str(REPO / "run_train.sh"), "--healthcheck", "--steps", "0"], cwd=REPO,
+                          env={**os.environ, "NGPU": "2"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "titanlite: error: --steps: expected a positive number, got '0'", proc.stderr
