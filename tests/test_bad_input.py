@@ -117,6 +117,11 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                           "optimizer.muon_ns_steps must be >= 1 (5 is usual), got 0"),
         "on_nonfinite": (["--training.on_nonfinite", "ignore"], {}, "training.on_nonfinite: 'ignore' is not one of"),
         "no_cuda": (["--training.device", "cuda"], {}, "training.device: cuda requested but no CUDA device"),
+        "on_spike": (["--training.on_spike", "clip"], {}, "training.on_spike: 'clip' is not one of"),
+        "rollback_no_checkpoint": (["--training.on_spike", "rollback"], {},
+                                   "training.on_spike = rollback goes back to the newest checkpoint; set checkpoint.enable"),
+        "skip_samples_bad": (["--data.skip_samples", "80-40"], {}, "data.skip_samples: bad range '80-40'"),
+        "straggler_ratio_one": (["--metrics.straggler_ratio", "0.5"], {}, "metrics.straggler_ratio must be 0 (off) or > 1"),
         # impossible layouts and shapes
         "tp_zero": (["--parallelism.tensor_parallel_degree", "0"], {}, "parallelism.tensor_parallel_degree must be >= 1"),
         "dp_shard_zero": (["--parallelism.data_parallel_shard_degree", "0"], {},
@@ -209,7 +214,8 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "log_freq_zero", "holdout_one", "workers_negative", "workers_above_cpus", "pp_layers_negative",
               "pp_less_layers_negative", "train_timeout_zero", "shutdown_timeout_zero",
               "max_skipped_negative", "lr_nan", "precision", "ac_mode", "reshard", "adamw_impl", "muon_group",
-              "muon_momentum", "muon_ns_steps", "on_nonfinite", "tp_zero", "dp_shard_zero", "cli_float",
+              "muon_momentum", "muon_ns_steps", "on_nonfinite", "on_spike", "rollback_no_checkpoint",
+              "skip_samples_bad", "straggler_ratio_one", "tp_zero", "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
               "checkpoint_folder_escapes", "pp_schedule_unknown")
 

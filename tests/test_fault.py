@@ -112,6 +112,66 @@ def test_nonfinite_skip_stops_past_max_skipped_steps(tmp_path):
     assert run.metrics[-1]["step"] == 3
 
 
+# -- loss spikes and stragglers (one pair of 2-rank launches, plus a resume) ----------------
+
+SPIKY = [*TINY, "--training.steps", "15", "--metrics.log_freq", "4"]
+
+
+def test_a_spike_is_skipped_as_a_nan_and_a_slow_rank_is_named(tmp_path):
+    # spike@11 on rank 1 scales its loss: only the all-reduced loss shows it, so both ranks must
+    # judge it from the same window. Step 11 logs nothing: its verdict is read a step late.
+    spiky = [*SPIKY, "--training.on_spike", "skip", "--training.spike_window", "5", *CKPT,
+             "--checkpoint.interval", "10", "--metrics.straggler_ratio", "1.1", "--metrics.straggler_logs", "2"]
+    (tmp_path / "spike").mkdir()
+    ranks = spawn(2, spiky, tmp_path / "spike", faults="spike@11:1,slow@8:1")
+    (tmp_path / "nan").mkdir()
+    nan = spawn(2, [*SPIKY, "--training.on_nonfinite", "skip"], tmp_path / "nan", faults="nan@11:1")
+    assert ranks.wait() == [0, 0], [ranks.log(0), ranks.log(1)]
+    assert nan.wait() == [0, 0], nan.log(0)
+    rows, nan_rows = ranks.metrics(), nan.metrics()
+    assert [m["step"] for m in rows] == [m["step"] for m in nan_rows] == [1, 4, 8, 12, 15]
+    # bit for bit: a skipped spike leaves the weights, moments and data as a skipped NaN does
+    assert [(m["loss"], m["grad_norm"], m["skipped_steps"]) for m in rows] == [
+        (m["loss"], m["grad_norm"], m["skipped_steps"]) for m in nan_rows]
+    assert [m["spike_steps"] for m in rows] == [0, 0, 0, 1, 1] and "spike_steps" not in nan_rows[0]
+    assert "step 11: loss or gradient norm over training.spike_sigmas (6) standard deviations" in ranks.log(0)
+    # rank 1 sleeps in every step from 8: named on steps 8, 12 and 15, warned once, at the 2nd log over
+    assert [m["straggler_rank"] for m in rows[2:]] == [1, 1, 1], rows
+    assert all(m["straggler_ratio"] > 1.1 and m["straggler_host"] for m in rows[2:])
+    assert "straggler_ratio" not in nan_rows[0]
+    (warning,) = [line for line in ranks.log(0).splitlines() if "is a straggler" in line]
+    assert warning.startswith("titanlite: warning: step 12: rank 1 on ") and "for 2 logs in a row" in warning
+    # the window is part of the checkpoint: resumed at step 10, the spike at 11 is judged as before
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    (tmp_path / "spike" / "checkpoint" / "step-10").rename(resumed / "checkpoint" / "step-10")
+    again = spawn(2, [*spiky, "--metrics.straggler_ratio", "0"], resumed, faults="spike@11:1")
+    assert again.wait() == [0, 0], again.log(0)
+    assert [(m["step"], m["loss"], m["spike_steps"]) for m in again.metrics()] == [
+        (m["step"], m["loss"], 1) for m in rows[3:]]
+
+
+def test_spike_rollback_equals_a_resume_that_skips_the_same_samples(tmp_path):
+    # two spikes in a row (11, 12) send the run back to step-10 with steps 11-12's samples
+    # (global batch 4: 40-48) skipped; a run from that checkpoint told to skip them by config
+    # logs the same losses, and the range saved with step-15 keeps a later resume off them
+    args = [*SPIKY, "--metrics.log_freq", "1", "--training.on_spike", "rollback", "--training.spike_window", "5",
+            "--training.spike_rollback_after", "2", *CKPT, "--checkpoint.interval", "5"]
+    rolled = train(1, args, dump=tmp_path / "rolled", env={"TITANLITE_FAULTS": "spike@11,spike@12"}, timeout=LIMIT_S)
+    assert "step 12: 2 spikes in a row (steps 11-12); rolled back to step 10, samples 40-48 skipped" in rolled.output
+    # step 12 rolls back before it logs
+    assert [m["step"] for m in rolled.metrics] == [*range(1, 12), *range(11, 16)]
+    (tmp_path / "by_config" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "rolled" / "checkpoint" / "step-10").rename(tmp_path / "by_config" / "checkpoint" / "step-10")
+    skip = [*args, "--data.skip_samples", "40-48"]
+    by_config = train(1, skip, dump=tmp_path / "by_config", timeout=LIMIT_S)
+    assert rolled.losses[11:] == by_config.losses  # bit for bit
+    # two more steps: the rolled run told nothing, the other still told by config
+    later = train(1, [*args, "--training.steps", "17"], dump=tmp_path / "rolled", timeout=LIMIT_S)
+    told = train(1, [*skip, "--training.steps", "17"], dump=tmp_path / "by_config", timeout=LIMIT_S)
+    assert later.losses[-2:] == told.losses[-2:]
+
+
 # A signal read late (arrived in step 3, read during step 4) makes step 4 the last: it must
 # read its own verdict at once, or a NaN there would be saved without a word.
 LATE_STOP = """

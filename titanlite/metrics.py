@@ -18,7 +18,8 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr",
            "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib",
-           "skipped_steps": "train/skipped_steps",
+           "skipped_steps": "train/skipped_steps", "spike_steps": "train/spike_steps",
+           "straggler_ratio": "perf/straggler_ratio", "straggler_rank": "perf/straggler_rank",
            "epoch": "data/epoch", "moe_aux_loss": "moe/aux_loss",
            "moe_load_max_over_mean_worst": "moe/tokens_per_expert_max_over_mean_worst_layer",
            "moe_load_max_over_mean_avg": "moe/tokens_per_expert_max_over_mean_avg_layers",
@@ -115,19 +116,21 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
 
-    def log(self, step: int, values: dict[str, float | None], eta_s: float) -> None:
+    def log(self, step: int, values: dict[str, float | str | None], eta_s: float) -> None:
         if not self.enabled:
             return
         self._row({"step": step, **values})
         if self.writer is not None:
             for key, value in values.items():
-                if value is not None:  # a model's extra losses and hook scalars under train/
+                if value is not None and not isinstance(value, str):  # a model's extra losses and hook scalars under train/
                     self.writer.add_scalar(TB_TAGS.get(key, f"train/{key}"), value, step)
         mfu = "-" if values["mfu_pct"] is None else f"{values['mfu_pct']:.1f}%"
         print(f"step {step:6d}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.4f}  "
               f"lr {values['lr']:.2e}  tok/s/dev {values['tokens_per_sec']:,.0f}  mfu {mfu}  "
               f"peak_mem {values['peak_gib']:.2f}GiB  eta {eta_s / 60:.1f}min"
-              + ("" if values.get("epoch") is None else f"  epoch {values['epoch']}"), flush=True)
+              + ("" if values.get("epoch") is None else f"  epoch {values['epoch']}")
+              + ("" if "straggler_ratio" not in values else f"  slowest rank {values['straggler_rank']} "
+                 f"({values['straggler_host']}) {values['straggler_ratio']:.2f}x median"), flush=True)
 
     def log_validation(self, step: int, loss: float) -> None:
         """A row of its own: {"step", "val_loss"}; TensorBoard tag loss/validation."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config import load as config_load
@@ -43,6 +44,7 @@ from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.profiling import Profiler
+from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.step import PlainStep
 
 
@@ -108,6 +110,28 @@ class Prepare:
         # pinned host memory on GPU: the copies overlap with compute
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         return context.shard_batch(batch, self.cp_rank, self.cp) if self.cp > 1 else batch
+
+
+def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
+              rank: int) -> int:
+    """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
+    skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
+    streak = guard.verdict.streak
+    first, last, n = streak[0], streak[-1], len(streak)
+    sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
+    start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
+    guard.phase("checkpoint save")  # loading takes a save's time
+    if not ckpt.candidates():
+        raise RunError(f"step {last}: {n} spikes in a row and no checkpoint to go back to yet (training.on_spike = "
+                       "rollback); lower checkpoint.interval or set training.on_spike = skip")
+    step = ckpt.maybe_load()
+    ckpt.optional["skipped_samples"].add(start, end)
+    guard.rolled_back(step)
+    if rank == 0:
+        print(f"titanlite: warning: step {last}: {n} spikes in a row (steps "
+              f"{first}-{last}); rolled back to step {step}, samples {start}-{end} skipped from now on "
+              "(training.on_spike = rollback)", file=sys.stderr, flush=True)
+    return step
 
 
 def start_process(cfg: JobConfig) -> torch.device:
@@ -176,9 +200,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
+    window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
+    if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
+        ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
-                  set_comm_timeout=meshes.groups.set_timeout)
+                  set_comm_timeout=meshes.groups.set_timeout, window=window)
+    stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
+                  if cfg.metrics.straggler_ratio > 0 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)))
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -203,12 +232,16 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
 
-    for step in range(start_step + 1, t.steps + 1):
+    step = start_step
+    while step < t.steps:
+        step += 1
         guard.start_step(step)
         profiler.step_begin(step)
         out = train_step([prepare(next(data_iter)) for _ in range(accum)])
         reduce_partial_grads(params)
-        grad_norm, votes = global_norm(local_grad_sq(norm_params, meshes.stage_ranks), guard.votes(out.loss_sum))
+        once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
+        share = None if window is None else (out.loss_sum if once else torch.zeros_like(out.loss_sum)) / out.n_targets
+        grad_norm, votes = global_norm(local_grad_sq(norm_params, meshes.stage_ranks), guard.votes(out.loss_sum, share))
         logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
         # the host reads a step's verdict late unless it syncs anyway (log, save) or must
         bad = guard.decide(grad_norm, votes, read_now=logs or ckpt.due(step) or not fused_optimizer)
@@ -224,17 +257,24 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
+        if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
+            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank)
+            data_iter = iter(loader)
+            throughput.last, throughput.last_step = time.perf_counter(), step
+            continue
         guard.phase("checkpoint save")
         ckpt.maybe_save(step, force=verdict.stop)
         if logs or verdict.stop:
             guard.phase("logging")
             losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, plan.spec.extra_losses,
-                                   plan.spec.tp_replicated_losses, meshes.tp.get_local_rank() == 0)
+                                   plan.spec.tp_replicated_losses, once)
             speed, eta = throughput(step)
             metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": grad_norm.item(), "lr": lr, **speed,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
-                               **losses, **{k: float(v) for k, v in scalars.items()}}, eta)
+                               **losses, **{k: float(v) for k, v in scalars.items()},
+                               **({} if window is None else {"spike_steps": verdict.spikes}),
+                               **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)
         if verdict.stop:
             who = guard.vote.signal_name or "a signal to another rank"
             stop_line = f"titanlite: stopped at step {step} after {who}"

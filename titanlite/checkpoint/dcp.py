@@ -41,7 +41,7 @@ from titanlite.checkpoint.hf import (HFAdapter, block_groups, check_hf_config, f
                                     read_safetensors)
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
-                                        TrainState)
+                                        SkippedSamples, TrainState)
 from titanlite.optim import Optimizers
 
 INFO = "titanlite.json"
@@ -261,6 +261,7 @@ class CheckpointManager:
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = DataState(loader, data, seq_len, global_batch_size)
+        self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
         self.tokens_per_step = global_batch_size * seq_len
         self.states = {"model": ModelState(parts), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
@@ -287,7 +288,7 @@ class CheckpointManager:
 
     # -- loading --
 
-    def _candidates(self) -> list[int]:
+    def candidates(self) -> list[int]:
         """The steps to try, newest first: checkpoint.load_step alone, else every complete one.
         Rank 0 decides for all, even if the folder changes under us."""
         choice: list[Any] = [None]
@@ -313,7 +314,7 @@ class CheckpointManager:
         """The newest checkpoint that loads. One whose files fail to read (a truncated or missing
         shard) is passed over with a warning for the one before it, unless checkpoint.load_step
         names it: a step asked for is never swapped for another."""
-        candidates = self._candidates() if self.cfg.enable else []
+        candidates = self.candidates() if self.cfg.enable else []
         if not candidates:
             if self.cfg.initial_load_path:
                 self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
@@ -346,9 +347,11 @@ class CheckpointManager:
             return 0
         meta = self._check_saved(path)
         self.data.check_saved(meta.state_dict_metadata)
-        states = dict(self.states)
+        states = {k: v for k, v in self.states.items() if k not in self.optional}
         if "rng.cuda" not in meta.state_dict_metadata:
             states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        # absent (a run without ranges, on_spike off): no ranges, a spike window that fills anew
+        states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
         _read(states, path)
         if self.rank == 0:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
@@ -424,6 +427,7 @@ class CheckpointManager:
         done = step - self._loaded_step
         self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
         self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
+        self.states |= {k: v for k, v in self.optional.items() if v}  # other checkpoints stay as they were
         if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:

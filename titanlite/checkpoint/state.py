@@ -103,8 +103,9 @@ class DataState:
 
     def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
         self.loader, self.global_batch_size = loader, global_batch_size
-        # every data setting but the worker count shapes the global sample order
-        order = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"}
+        # every data setting but the worker count shapes the global sample order; skipped
+        # ranges are kept apart (SkippedSamples), so a run may add some and resume
+        order = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("num_workers", "skip_samples")}
         self.order = json.dumps({**order, "seq_len": seq_len}, sort_keys=True)
         self.samples_seen = 0
         streamed = getattr(loader, "batch_sampler", None) is None
@@ -148,6 +149,30 @@ class DataState:
         # it before iter() resumes with or without workers.
         global_batch = self.samples_seen // self.global_batch_size
         self.loader.batch_sampler.load_state_dict({"global_batch": global_batch, "micro_batch": 0})
+
+
+class SkippedSamples:
+    """The sample ranges the loader passes over (data.skip_samples and every spike rollback's),
+    saved so that a resumed run skips them too; on load, the saved ones join the config's."""
+
+    def __init__(self, loader: StatefulDataLoader) -> None:
+        self.sampler = getattr(loader, "batch_sampler", None)  # None: a stream (refused with ranges)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return () if self.sampler is None else self.sampler.skip
+
+    def __len__(self) -> int:  # none: not saved (CheckpointManager.optional)
+        return len(self.ranges)
+
+    def add(self, start: int, end: int) -> None:
+        self.sampler.set_skip((*self.sampler.skip, (start, end)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ranges": json.dumps(self.ranges)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sampler.set_skip((*self.sampler.skip, *(tuple(r) for r in json.loads(sd["ranges"]))))
 
 
 @dataclasses.dataclass

@@ -71,6 +71,18 @@ class Training:
     (no optimizer update; the data and LR schedule still advance)."""
     max_skipped_steps: int = 10
     """With on_nonfinite = skip, the most steps a run may skip; one more stops it."""
+    on_spike: str = "off"
+    """A step whose global loss or gradient norm is more than spike_sigmas standard deviations
+    above the mean of the last spike_window applied steps: off (applied as any other), skip
+    (no optimizer update, as a skipped non-finite step; counted in skipped_steps and spike_steps),
+    or rollback (skip, and see spike_rollback_after; needs checkpoint.enable)."""
+    spike_window: int = 20
+    """The applied steps a spike is measured against; no step is judged before the window is full."""
+    spike_sigmas: float = 6.0
+    """How many standard deviations above the window's mean make a spike."""
+    spike_rollback_after: int = 3
+    """With on_spike = rollback: this many spikes in a row send the run back to its newest
+    checkpoint, the data of those steps skipped from then on (recorded in the checkpoint)."""
     gc_freq: int = 50
     """Run Python's garbage collector by hand every N steps (automatic collection is switched
     off during training, so pauses land on known steps); 0 leaves Python's automatic collection on."""
@@ -218,6 +230,12 @@ class Metrics:
     """Log every N steps (and the first and last step)."""
     enable_tensorboard: bool = True
     """Write TensorBoard event files."""
+    straggler_ratio: float = 0.0
+    """> 0: on each logged step, gather every rank's own step time and log the slowest rank, its
+    host and its ratio to the median (straggler_*; TensorBoard perf/straggler_ratio), with one
+    warning once a rank is over this ratio for straggler_logs logs in a row. 0: no report."""
+    straggler_logs: int = 3
+    """Logged steps in a row a rank must be over straggler_ratio before the warning."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +262,10 @@ class Data:
     """Weighted mixture instead of data.path: ["SOURCE:WEIGHT", ...] (on the command line
     SOURCE:WEIGHT,SOURCE:WEIGHT); weights are relative, honoured to 1/1000. Each SOURCE is
     anything data.path accepts."""
+    skip_samples: str = ""
+    """Global sample ranges never trained on, "START-END,..." (END excluded; every global batch
+    that overlaps one is passed over), e.g. the data around a loss spike; a spike rollback
+    records its own in the checkpoint. Not with data.streaming."""
     streaming: bool = False
     """Read data.path lazily (Hugging Face datasets streaming) instead of tokenizing it whole
     up front; see docs/data.md for what order guarantees hold."""
@@ -373,6 +395,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.on_nonfinite": ("stop", "skip"),
+    "training.on_spike": ("off", "skip", "rollback"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                                                "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),

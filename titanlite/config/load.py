@@ -179,12 +179,25 @@ def _check_choices(cfg: JobConfig) -> None:
                 raise ConfigError(f"{key}: '{v}' is not one of {', '.join(options)}")
 
 
+def parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """data.skip_samples "START-END,..." -> ((start, end), ...), END excluded."""
+    ranges = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        start, _, end = item.partition("-")
+        if not (start.isdigit() and end.isdigit() and int(start) < int(end)):
+            raise ConfigError(f"data.skip_samples: bad range '{item}'; expected START-END with START < END, "
+                              "e.g. 1024-2048")
+        ranges.append((int(start), int(end)))
+    return tuple(ranges)
+
+
 def check_config(cfg: JobConfig) -> None:
     """Checks that need no world size, model or files; everything else is checked where known."""
     t, p, s = cfg.training, cfg.parallelism, cfg.lr_scheduler
     for key, val in [("training.steps", t.steps), ("training.seq_len", t.seq_len),
                      ("training.local_batch_size", t.local_batch_size),
                      ("metrics.log_freq", cfg.metrics.log_freq),
+                     ("metrics.straggler_logs", cfg.metrics.straggler_logs),
                      ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
                      ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree),
                      ("parallelism.context_parallel_degree", p.context_parallel_degree),
@@ -242,6 +255,20 @@ def check_config(cfg: JobConfig) -> None:
     if o.muon_weight_decay < 0 and o.muon_weight_decay != -1:
         raise ConfigError("optimizer.muon_weight_decay must be >= 0 or -1 (optimizer.weight_decay), "
                           f"got {o.muon_weight_decay}")
+    if t.on_spike == "rollback" and (not cfg.checkpoint.enable or cfg.checkpoint.load_step != -1):
+        raise ConfigError("training.on_spike = rollback goes back to the newest checkpoint; set checkpoint.enable = "
+                          "true and leave checkpoint.load_step at -1")
+    if t.spike_rollback_after < 1:
+        raise ConfigError(f"training.spike_rollback_after must be >= 1, got {t.spike_rollback_after}")
+    parse_ranges(cfg.data.skip_samples)
+    if cfg.data.streaming and (cfg.data.skip_samples or t.on_spike == "rollback"):
+        raise ConfigError("data.skip_samples and training.on_spike = rollback need a sample order; "
+                          "data.streaming has none: turn streaming off or leave them out")
+    if t.spike_window < 2 or not t.spike_sigmas > 0:
+        raise ConfigError(f"training.spike_window must be >= 2 and training.spike_sigmas > 0, got "
+                          f"{t.spike_window} and {t.spike_sigmas}")
+    if cfg.metrics.straggler_ratio < 0 or 0 < cfg.metrics.straggler_ratio <= 1:
+        raise ConfigError(f"metrics.straggler_ratio must be 0 (off) or > 1, got {cfg.metrics.straggler_ratio}")
     if t.max_skipped_steps < 0:
         raise ConfigError(f"training.max_skipped_steps must be >= 0, got {t.max_skipped_steps}")
     pr = cfg.profiling

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Data, Validation
-from titanlite.config.load import parse_mix
+from titanlite.config.load import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
 from titanlite.data.sources import is_token_folder, probe_source, read_documents, source_name, unread_keys
 from titanlite.data.tokenizer import Tokenizer
@@ -163,19 +163,45 @@ class GlobalBatchSampler:
     Its state is a global cursor (next global batch, next micro-batch within this rank's
     share), which StatefulDataLoader saves and restores, with or without workers. At a step
     boundary (micro_batch == 0) the state means the same for any dp layout.
+
+    `skip` holds sample ranges [start, end) never read (data.skip_samples, a spike rollback):
+    every global batch that overlaps one is passed over. The cursor counts the global batches
+    read, so a checkpoint's position means the same with the same ranges.
     """
 
-    def __init__(self, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
+    def __init__(self, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int,
+                 skip: tuple[tuple[int, int], ...] = ()) -> None:
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
         self.row0 = dp_rank * (global_batch_size // dp_degree)
         self.accum = global_batch_size // (local_batch_size * dp_degree)
         self.global_batch, self.micro_batch = 0, 0
+        self.skip: tuple[tuple[int, int], ...] = ()
+        self.set_skip(skip)
+
+    def set_skip(self, ranges: tuple[tuple[int, int], ...]) -> None:
+        """The sample ranges to pass over, as merged, sorted global-batch intervals [a, b)."""
+        self.skip = tuple(sorted(set(ranges)))
+        G, merged = self.global_batch_size, []
+        for a, b in sorted((start // G, -(-end // G)) for start, end in self.skip):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self._skip_batches = merged
+
+    def read_batch(self, n: int) -> int:
+        """The global batch that the n-th one read is (ranges passed over)."""
+        for a, b in self._skip_batches:
+            if n < a:
+                break
+            n += b - a
+        return n
 
     def __iter__(self) -> GlobalBatchSampler:
         return self
 
     def __next__(self) -> list[int]:
-        first = (self.global_batch * self.global_batch_size + self.row0
+        first = (self.read_batch(self.global_batch) * self.global_batch_size + self.row0
                  + self.micro_batch * self.local_batch_size)
         self.micro_batch += 1
         if self.micro_batch == self.accum:
@@ -283,6 +309,7 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         # Its own generator: iter() would otherwise draw worker seeds from the global RNG,
         # which a resumed run (one more iter() call) could then not reproduce bitwise.
-        return StatefulDataLoader(dataset, batch_sampler=GlobalBatchSampler(G, L, dp_rank, D),
+        sampler = GlobalBatchSampler(G, L, dp_rank, D, parse_ranges(cfg.skip_samples) if split == "train" else ())
+        return StatefulDataLoader(dataset, batch_sampler=sampler,
                                   num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
                                   generator=torch.Generator().manual_seed(max(cfg.seed, 0)))

@@ -23,7 +23,9 @@ the backstop and never ends a save or a validation that is within its deadline.
 Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
 NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank,
 `slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
-comm.init_timeout_s (a save slower than set-up may take).
+comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
+SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
+SLOW_S in the rank's step from that step on, before its votes (a straggler).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.restart import fired_faults, note_fired
+from titanlite.runtime.spikes import SpikeWindow
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
@@ -54,7 +57,9 @@ HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 HANG_EXIT_GRACE_S = 5.0
 
 
-FAULT_KINDS = ("nan", "hang", "kill", "slowsave")
+FAULT_KINDS = ("nan", "hang", "kill", "slowsave", "spike", "slow")
+SPIKE_FACTOR = 1000.0
+SLOW_S = 0.5
 
 
 def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
@@ -211,9 +216,14 @@ class StepVerdict:
     gradient norm under on_nonfinite = skip), or end the run with a RunError. Read on the host
     one step late unless asked (see the module doc)."""
 
-    def __init__(self, rank: int, training: Training) -> None:
-        self.rank, self.training = rank, training
+    def __init__(self, rank: int, training: Training, window: SpikeWindow | None = None) -> None:
+        """`window`: the spike statistics when training.on_spike is on (checkpointed by the caller)."""
+        self.rank, self.training, self.window = rank, training, window
         self.skipped = 0
+        self.spikes = 0
+        """Steps skipped as loss or gradient-norm spikes (training.on_spike skip or rollback)."""
+        self.streak: list[int] = []
+        """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
         self.stop = False
         """All ranks stop after this step: a signal reached one of them (a read verdict)."""
         self.skip = False
@@ -221,29 +231,39 @@ class StepVerdict:
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def __call__(self, step: int, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
-        """`votes`: (ranks signalled, ranks with a non-finite loss), summed over the world. Returns
-        a device flag, 1.0 when this step must not update (the fused optimizer's `found_inf`).
-        Reads the previous step's verdict if still unread, and this step's too when `read_now`
-        or when the run stops after this step (nothing may be saved unread)."""
-        verdict = torch.stack([votes[0] > 0, votes[1] > 0, ~torch.isfinite(norm)])
+        """`votes`: (ranks signalled, ranks with a non-finite loss[, the mean loss with a spike
+        window]), summed over the world. Returns a device flag, 1.0 when this step must not
+        update (the fused optimizer's `found_inf`): non-finite, or a spike. Reads the previous
+        step's verdict if still unread, and this step's too when `read_now` or when the run
+        stops after this step (nothing may be saved unread)."""
+        bad_loss, bad_grad = votes[1] > 0, ~torch.isfinite(norm)
+        spike = (self.window.judge(votes[2], norm, bad_loss | bad_grad) if self.window is not None
+                 else torch.zeros((), dtype=torch.bool, device=norm.device))
+        verdict = torch.stack([votes[0] > 0, bad_loss, bad_grad, spike])
         if self._pending is not None:
             self._read(*self._pending, step)
         self._pending = (step, *_start_host_copy(verdict))
         self.skip = False
         if read_now or self.stop:  # a stopping step saves and logs: it syncs anyway
             self._read(*self._pending, step)
-        return (verdict[1] | verdict[2]).float()
+        return (verdict[1] | verdict[2] | verdict[3]).float()
 
     def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None, now: int) -> None:
         self._pending = None
         if copied is not None:
             copied.synchronize()
-        stop, bad_loss, bad_grad = host.tolist()
+        stop, bad_loss, bad_grad, spike = host.tolist()
         self.stop = self.stop or stop
-        if not (bad_loss or bad_grad):
+        self.streak = [*self.streak, step] if spike else []
+        if not (bad_loss or bad_grad or spike):
             return
         what = "loss" if bad_loss else "gradient norm"
-        if self.training.on_nonfinite == "stop":
+        if spike:
+            self.spikes += 1
+            t = self.training
+            what = (f"loss or gradient norm over training.spike_sigmas ({t.spike_sigmas:g}) standard deviations "
+                    f"above the last {t.spike_window} steps' mean (training.on_spike = {t.on_spike})")
+        elif self.training.on_nonfinite == "stop":
             raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
                            "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
                            "data, or set training.on_nonfinite = skip")
@@ -253,7 +273,7 @@ class StepVerdict:
             raise RunError(f"step {step}: {self.skipped} steps with non-finite loss or gradients, more "
                            f"than training.max_skipped_steps ({self.training.max_skipped_steps}); stopping")
         if self.rank == 0:
-            print(f"titanlite: warning: step {step}: non-finite {what}; optimizer step skipped "
+            print(f"titanlite: warning: step {step}: {'' if spike else 'non-finite '}{what}; optimizer step skipped "
                   f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
 
 
@@ -261,9 +281,10 @@ class Guard:
     """One rank's watchdog, stop vote and step verdict, and the faults TITANLITE_FAULTS injects."""
 
     def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
-                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None) -> None:
+                 start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
+                 window: SpikeWindow | None = None) -> None:
         """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
-        (titanlite.parallel.mesh.Groups.set_timeout)."""
+        (titanlite.parallel.mesh.Groups.set_timeout); `window`: StepVerdict's."""
         self.rank, self.comm = rank, comm
         self.hang_folder = Path(dump_folder) / "hang"
         # once per launch: not again in an attempt torchrun restarted (titanlite.runtime.restart)
@@ -271,7 +292,12 @@ class Guard:
         self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if _spec(f) not in fired}
         self.watchdog = Watchdog(rank, self.hang_folder, comm, start_step + 1, set_comm_timeout)
         self.vote = StopVote(rank, shutdown_timeout_s, self.watchdog)
-        self.verdict = StepVerdict(rank, training)
+        self.verdict = StepVerdict(rank, training, window)
+        self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
+        self._step_start = time.perf_counter()
+        self.own_s = 0.0
+        """This rank's own time in the step, up to its votes (host timer; the straggler report);
+        a wait inside an earlier collective counts as the waiting rank's."""
         global _active
         _active = self
 
@@ -283,6 +309,7 @@ class Guard:
     def start_step(self, step: int) -> None:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.watchdog.step = step
+        self._step_start = time.perf_counter()
         self.phase("compute")
         if self._injected("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -294,13 +321,27 @@ class Guard:
         if name == "checkpoint save" and self._injected("slowsave"):
             time.sleep(self.comm.init_timeout_s + 2)
 
-    def votes(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """This rank's votes for the step's all-reduce: signalled, non-finite loss."""
-        return torch.stack([self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()])
+    def votes(self, loss_sum: torch.Tensor, loss_share: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's votes for the step's all-reduce: signalled, non-finite loss, and with a
+        spike window `loss_share`, this rank's share of the step's mean loss (summed over the
+        world, the loss the window judges). The rank's own step time ends here."""
+        if self._slow_from is not None and self.step >= self._slow_from:
+            if self.step == self._slow_from:
+                note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
+            time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
+        self.own_s = time.perf_counter() - self._step_start
+        votes = [self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()]
+        return torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
 
     def decide(self, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
         """The step's verdict from the global norm and the summed votes (StepVerdict)."""
         return self.verdict(self.step, norm, votes, read_now)
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to `step` (a spike rollback): the verdict still unread is of a step
+        undone, and each injected fault has fired (once per run, as after a restart)."""
+        self.faults = {f for f in self.faults if f[1] > self.step}
+        self.verdict._pending, self.verdict.streak, self.watchdog.step = None, [], step
 
     def _injected(self, kind: str) -> bool:
         fault = next((f for f in [(kind, self.step, self.rank), (kind, self.step, None)] if f in self.faults), None)
@@ -310,11 +351,15 @@ class Guard:
 
     def faulty_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """`loss_fn`, non-finite in the training step that a `nan` fault names (validation,
-        under no_grad, is left alone)."""
+        """`loss_fn`, non-finite in the training step that a `nan` fault names, SPIKE_FACTOR times
+        larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             out = loss_fn(logits, labels)
-            return out * float("nan") if torch.is_grad_enabled() and self._injected("nan") else out
+            if not torch.is_grad_enabled():
+                return out
+            if self._injected("nan"):
+                return out * float("nan")
+            return out * SPIKE_FACTOR if self._injected("spike") else out
         return loss
 
     def close(self) -> None:
