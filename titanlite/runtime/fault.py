@@ -295,9 +295,8 @@ class Guard:
         self.verdict = StepVerdict(rank, training, window)
         self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
         self._step_start = time.perf_counter()
-        self.own_s = 0.0
-        """This rank's own time in the step, up to its votes (host timer; the straggler report);
-        a wait inside an earlier collective counts as the waiting rank's."""
+        self._host_s = 0.0
+        self._events: list[torch.cuda.Event] = []
         global _active
         _active = self
 
@@ -310,6 +309,10 @@ class Guard:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.watchdog.step = step
         self._step_start = time.perf_counter()
+        # on a GPU the host runs ahead of the device: time the step with the stream's own events
+        self._events = [torch.cuda.Event(enable_timing=True)] if torch.cuda.is_initialized() else []
+        for event in self._events:
+            event.record()
         self.phase("compute")
         if self._injected("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -329,9 +332,23 @@ class Guard:
             if self.step == self._slow_from:
                 note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
             time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
-        self.own_s = time.perf_counter() - self._step_start
+        self._host_s = time.perf_counter() - self._step_start
+        if self._events:
+            self._events.append(torch.cuda.Event(enable_timing=True))
+            self._events[-1].record()
         votes = [self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()]
         return torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
+
+    @property
+    def own_s(self) -> float:
+        """This rank's own time in the step, up to its votes (the straggler report): CUDA events
+        on a GPU, else the host timer; a wait inside an earlier collective counts as the waiting
+        rank's. Read on logged steps, whose host already waits for the step's all-reduce, which
+        comes after the end event: no sync of its own."""
+        if len(self._events) < 2:
+            return self._host_s
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
     def decide(self, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
         """The step's verdict from the global norm and the summed votes (StepVerdict)."""
