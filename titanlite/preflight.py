@@ -23,7 +23,8 @@ from titanlite.model_spec import ModelSpec, get_model_spec, model_args
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
-from titanlite.parallel.pipeline import SPLIT_BACKWARD, StagePlan, plan_stages, tied_names
+from titanlite.parallel.pipeline import (SPLIT_BACKWARD, StagePlan, plan_stages, split_backward_through_custom_functions,
+                                         tied_names)
 from titanlite.parallel.tensor import check_decoder_tp
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
@@ -114,6 +115,10 @@ def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: n
             raise ConfigError(f"{key} {name} splits each backward into input- and weight-gradient passes, which "
                               "the multi-token prediction depth on the last stage does not survive; use 1F1B or "
                               "Interleaved1F1B")
+        if cfg.compile.enable and not split_backward_through_custom_functions():
+            raise ConfigError(f"{key} {name} with compile.enable: torch {torch.__version__}'s split backward "
+                              "loses a compiled block's graph between its input- and weight-gradient passes; "
+                              "use 1F1B or Interleaved1F1B, compile.enable false, or torch >= 2.13")
     stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
     return dataclasses.replace(stages, tied=tied_names(model))
 

@@ -76,16 +76,16 @@ def _owners(n: int, parts: int) -> list[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
 
 
-def _matrix_shards(stack: DTensor) -> list[tuple[int, int, int]]:
-    """The mesh dims that cut the matrix dims, as (mesh dim, tensor dim, that dim's size before
-    the cut) in the order to undo them: the reverse of the order they were applied in, which is
-    mesh order except that a strided shard (FSDP over a tensor-parallel weight) cuts last."""
-    mesh, coord, placements = stack.device_mesh, stack.device_mesh.get_coordinate(), stack.placements
-    cuts = []
-    for d in (stack.ndim - 2, stack.ndim - 1):
-        # getattr: a strided shard is no Shard subclass, but has a dim too
-        on_d = [m for m, pl in enumerate(placements) if getattr(pl, "dim", None) == d]
-        size = stack.shape[d]
+def _matrix_shards(mesh, placements, shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """The mesh dims that cut the matrix dims of a stack (dim 0 added in front of tensors placed
+    as `placements`), as (mesh dim, stack dim, that dim's size before the cut) in the order to
+    undo them: the reverse of the order they were applied in, which is mesh order except that a
+    strided shard (FSDP over a tensor-parallel weight) cuts last."""
+    coord, cuts = mesh.get_coordinate(), []
+    for d in (len(shape) - 2, len(shape) - 1):
+        # getattr: a strided shard is no Shard subclass, but has a dim too; d - 1: the stack's dim 0
+        on_d = [m for m, pl in enumerate(placements) if getattr(pl, "dim", None) == d - 1]
+        size = shape[d]
         for m in sorted(on_d, key=lambda m: (type(placements[m]) is not Shard, m)):
             cuts.append((m, d, size))
             size = _sizes(size, mesh.size(m))[coord[m]]
@@ -123,20 +123,24 @@ def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype) -
     DTensor.redistribute would do the same on NCCL, but turns each all-to-all into an all-gather
     on a CPU mesh (gloo has none), putting every matrix on every rank (and the dry run, which
     traces on CPU meshes, would count that)."""
-    stack = torch.stack(updates)
-    if not isinstance(stack, DTensor):
+    first = updates[0]
+    if not isinstance(first, DTensor):
+        stack = torch.stack(updates)
         return list(newton_schulz(stack.flatten(0, -3), steps, dtype).view(stack.shape).unbind(0))
-    # in the Newton-Schulz dtype from here on: bfloat16 halves the traffic and loses nothing
-    # that the iteration would not drop anyway
-    mesh, local = stack.device_mesh, stack.to_local().to(dtype)
+    # the local shards are stacked, not the DTensors: torch 2.11's DTensor stack leaves a strided
+    # shard on the dim it named before the stack's new dim 0 (the placements then say another
+    # layout than the data's). In the Newton-Schulz dtype from here on: bfloat16 halves the
+    # traffic and loses nothing that the iteration would not drop anyway
+    mesh, placements = first.device_mesh, first.placements
+    local = torch.stack([u.to_local() for u in updates]).to(dtype)
     coord = mesh.get_coordinate()
     shares = []
-    for m in [m for m, pl in enumerate(stack.placements) if pl.is_replicate()]:
+    for m in [m for m, pl in enumerate(placements) if pl.is_replicate()]:
         counts = _owners(local.shape[0], mesh.size(m))
         shares.append((m, counts))
         local = local.split(counts)[coord[m]]
     cuts = []
-    for m, d, parent in _matrix_shards(stack):
+    for m, d, parent in _matrix_shards(mesh, placements, (len(updates), *first.shape)):
         local, undo = _gather_cut(local, mesh.get_group(m), coord[m], d, parent)
         cuts.append(undo)
     done = newton_schulz(local.flatten(0, -3), steps, dtype).view(local.shape)

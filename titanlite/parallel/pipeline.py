@@ -13,6 +13,7 @@ over the ranks (stage s on rank s % pp) or, for V schedules, go down and back up
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -242,8 +243,10 @@ class PipelineStep:
         # the last stage's declared logits carry their real dtype: torch 2.11 checks it against the output
         out = torch.empty(sh.logits, dtype=sh.logits_dtype, device="meta") if s == self.plan.n_stages - 1 else hidden
         part.register_forward_pre_hook(_to_context(self.attn), with_kwargs=True)
-        return PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
-                             group=self.meshes.pp.get_group())
+        stage = PipelineStage(part, s, self.plan.n_stages, self.device, input_args=inp, output_args=out,
+                              group=self.meshes.pp.get_group())
+        _skip_links_to_self(stage)
+        return stage
 
     def _tie(self, ids: list[int]) -> None:
         """Tied weights (an embedding shared with the output layer) live on the first and the
@@ -325,6 +328,52 @@ class PipelineStep:
             if logits is None:
                 return torch.zeros((), device=batch["labels"].device)
             return self.loss_fn(logits, batch["labels"])
+
+
+class _Scale(torch.autograd.Function):
+    """x * w as a custom autograd function: a compiled block's backward is one of these."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+@functools.cache
+def split_backward_through_custom_functions() -> bool:
+    """Whether torch's split backward (input gradients, the stage output dropped, then weight
+    gradients: the zero-bubble schedules) gets through a custom autograd function, as a
+    compiled block is. torch 2.11's weight pass keeps only the Python handles of the nodes it
+    resumes from, and a custom function's handle dies with the graph above it (its weight pass
+    then fails reading the node); found by running it on two numbers."""
+    # private (torch has no public split backward); imported here so that only this check needs it
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x, w = torch.full((2,), 3.0, requires_grad=True), torch.ones(2, requires_grad=True)
+    out = _Scale.apply(x * 1, w) * 1
+    _, groups = stage_backward_input([out], [torch.ones(2)], [x], iter([w]))
+    del out
+    try:
+        stage_backward_weight(iter([w]), groups)
+    except RuntimeError:
+        return False
+    return w.grad is not None and torch.equal(w.grad, x.detach())
+
+
+def _skip_links_to_self(stage: PipelineStage) -> None:
+    """torch 2.11's multi-stage schedules open each stage's links to its neighbour stages with one
+    batch of sends and receives (`_get_init_p2p_neighbors_ops`) before the first step, the link
+    between two stages on the same rank (the middle of a V) included, which gloo cannot connect
+    to itself. Such a link never carries anything (the rank hands activations over locally), so
+    it is left out; a torch without that method (newer ones) opens its links its own way."""
+    ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if ops is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops() if op.group_peer != stage.group_rank]
 
 
 @torch.no_grad()
