@@ -74,7 +74,7 @@ class Stragglers:
         mine = torch.full((1,), own_s, dtype=torch.float64, device=self.device)
         times = [torch.empty_like(mine) for _ in self.hosts]
         dist.all_gather(times, mine)
-        seconds = [t.item() for t in times]
+        seconds = torch.cat(times).tolist()  # one copy to the host, not one per rank
         median = statistics.median(seconds)
         slow = max(range(len(seconds)), key=seconds.__getitem__)
         ratio = seconds[slow] / median if median > 0 else 1.0
