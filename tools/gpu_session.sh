@@ -15,7 +15,8 @@
 #   3b_eager     llama3 3B (batch 1 x 8192) where the dry run says it fits
 #   1b_float8    the compiled 1B step with float8.enable true (torchao tensorwise)
 #   gpu_tests    pytest -m gpu tests/test_gpu.py: flex backward, varlen, float8 training, bf16
-#                compile, deterministic mode twice bit for bit
+#                compile, deterministic mode twice bit for bit (their five training runs of the
+#                debug model share the GPU at once)
 #   3b_compiled  the 3B step compiled
 # What the 8 minutes (GPU_SESSION_BUDGET_S=470 s of sections) cannot hold is recorded SKIP.
 # A rerun of some sections in what is left of a lease: GPU_SESSION_ONLY="healthcheck gpu_tests"
