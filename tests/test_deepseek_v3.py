@@ -271,13 +271,15 @@ def test_bad_model_and_layout_refused_in_one_line():
 def test_mtp_loss_reaches_the_training_loss():
     """The MTP term is computed inside a training step (and only there), its gradient reaches
     the MTP weights and the shared embedding through the main loss's backward."""
-    from titanlite.loss import cross_entropy_sum, extra_losses
+    from titanlite.loss import ExtraLosses, cross_entropy_sum
     args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
     model = Transformer(args)
     model.init_weights(0)
     tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(1))
     n = torch.tensor(float(tokens[:, 1:].numel()))
-    with extra_losses(n) as sums:
+    extra = ExtraLosses()
+    extra.bind([model])
+    with extra.collect(n) as sums:
         (cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / n).backward()
     assert set(sums) == {"mtp_loss"} and sums["mtp_loss"] > 0
     assert model.mtp["0"].eh_proj.weight.grad.abs().sum() > 0

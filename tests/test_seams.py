@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from titanlite.layers import init
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
-from titanlite.loss import add_extra_loss, extra_losses
+from titanlite.loss import ExtraLosses
 from titanlite.model_spec import get_model_spec
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq
@@ -59,16 +59,34 @@ def test_extra_loss_gets_the_gradient_of_its_share_of_the_loss():
     x = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(3, requires_grad=True)
     n_targets = torch.tensor(8.0)
-    with extra_losses(n_targets) as sums:
+    extra = ExtraLosses()
+    with extra.collect(n_targets) as sums:
         aux = (x @ w).square().sum()  # a sum over tokens
-        y = add_extra_loss(x * 2, "aux", aux)
+        y = extra.add(x * 2, "aux", aux)
         (y.sum() / n_targets).backward()
     assert torch.equal(sums["aux"], aux.detach())
     got = w.grad.clone()
     w.grad = None
     ((x * 2).sum() / n_targets + (x @ w).square().sum() / n_targets).backward()
     torch.testing.assert_close(got, w.grad, rtol=0, atol=0)
-    assert add_extra_loss(x, "aux", aux) is x  # outside a training step: nothing happens
+    assert extra.add(x, "aux", aux) is x  # outside a training step: nothing happens
+
+
+def test_extra_loss_counts_once_when_activation_checkpointing_recomputes():
+    """The forward runs again in backward under activation checkpointing; the term is logged
+    once per micro-batch all the same, in forward order."""
+    from torch.utils.checkpoint import checkpoint
+    x, w, n_targets = torch.randn(4, 3, requires_grad=True), torch.randn(3), torch.tensor(8.0)
+    extra = ExtraLosses()
+
+    def block(h: torch.Tensor, k: float) -> torch.Tensor:
+        return extra.add(h * 2, "aux", k * (h @ w).square().sum())
+
+    with extra.collect(n_targets) as sums:
+        for k in (1.0, 3.0):  # two micro-batches
+            (checkpoint(block, x, k, use_reentrant=False).sum() / n_targets).backward()
+    aux = (x @ w).square().sum().detach()
+    assert extra.forwards == 4 and torch.equal(sums["aux"], 1.0 * aux + 3.0 * aux)
 
 
 def _norm_worker(rank: int, world: int, store: str, out: str) -> None:

@@ -10,7 +10,7 @@ Load balancing, two kinds:
   (the gate weights come from the unbiased scores), moved after each optimizer step towards the
   mean load by `update_router_bias`, from loads counted over the whole data-parallel batch;
 - a load-balancing auxiliary loss (Switch style), added to the training loss through
-  `titanlite.loss.add_extra_loss`.
+  the training step's `titanlite.loss.ExtraLosses`.
 Expert parallelism replaces `MoE.dispatch` (titanlite/parallel/expert.py); the math here is
 the single-device reference.
 """
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from titanlite.layers.feed_forward import FeedForward
-from titanlite.loss import add_extra_loss
+from titanlite.loss import ExtraLosses, add_extra_loss
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,8 @@ class MoE(nn.Module):
         self.stats_group: dist.ProcessGroup | None = None
         """The ranks routing different tokens of one micro-batch (data x context x tensor parallel),
         over which the auxiliary loss counts loads; None on one process."""
+        self.extra_losses: ExtraLosses | None = None
+        """Where the auxiliary loss goes: the training step's (bound by the step), None outside one."""
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -317,7 +319,7 @@ class MoE(nn.Module):
         if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = (self._sequence_aux_loss_sum(scores, expert_ids, shape) if self.args.aux_loss_per_sequence
                    else self._aux_loss_sum(scores, counts))
-            out = add_extra_loss(out, AUX_LOSS, aux)
+            out = add_extra_loss(self.extra_losses, out, AUX_LOSS, aux)
         return out.view(shape)
 
     def _sequence_aux_loss_sum(self, scores: torch.Tensor, expert_ids: torch.Tensor,

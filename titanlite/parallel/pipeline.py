@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Pipel
 from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
-from titanlite.loss import extra_losses, loss_context
+from titanlite.loss import ExtraLosses, loss_context
 from titanlite.model_spec import ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
@@ -232,6 +232,8 @@ class PipelineStep:
         self._tie(ids)
         self._sums: list[torch.Tensor] = []
         self._n_targets: torch.Tensor | None = None
+        self.extra = ExtraLosses()
+        self.extra.bind(self.parts)
 
     def _stage(self, part: nn.Module, s: int) -> PipelineStage:
         sh = self.shapes
@@ -303,7 +305,7 @@ class PipelineStep:
     def __call__(self, batches: list[Batch]) -> StepOutput:
         self._n_targets = count_targets(batches, self.meshes.dp_cp.get_group())
         self._sums.clear()
-        with extra_losses(self._n_targets) as extra:
+        with self.extra.collect(self._n_targets) as extra:
             for batch in batches:
                 args, kwargs = self._inputs(batch)
                 with loss_context(self.opts.loss_parallel), self.autocast, self._compile_options():
