@@ -291,6 +291,7 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router,
     the shared experts and the experts' grouped GEMMs; only their data-dependent dispatch stays
     eager. The compiled training run is in test_deepseek_v3_parity.py."""
+    from titanlite.layers.moe import moe_layers
     from titanlite.parallel.apply import all_blocks, apply_compile
     compiled: list[torch.nn.Module] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(self))
@@ -301,6 +302,5 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     assert names == {"layers.0", *(f"{block}.{part}" for block in ("layers.1", "layers.2", "mtp.0.block")
                                    for part in ("attention", "moe.router", "moe.shared"))}
     # the experts' grouped GEMMs and SwiGLU: one compiled function shared by every MoE layer
-    from titanlite.layers.moe import grouped_swiglu
-    grouped = {model.layers[i].moe.experts.grouped for i in ("1", "2")}
-    assert len(grouped) == 1 and grouped_swiglu not in grouped
+    assert all(m.experts.compiled for m in moe_layers([model]))
+    assert not any(m.experts.compiled for m in moe_layers([Transformer(model.args)]))

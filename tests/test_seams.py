@@ -89,6 +89,32 @@ def test_extra_loss_counts_once_when_activation_checkpointing_recomputes():
     assert extra.forwards == 4 and torch.equal(sums["aux"], 1.0 * aux + 3.0 * aux)
 
 
+def test_activation_checkpointing_is_a_field_the_block_reads():
+    """AC is the plan's Recompute on the block itself: names and gradients are the model's own."""
+    from titanlite.parallel.apply import all_blocks, apply_ac
+    spec = get_model_spec("qwen3_moe")
+    args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for cfg in (ActivationCheckpoint(), ActivationCheckpoint(mode="selective", selective_every=2),
+                ActivationCheckpoint(mode="selective", selective_type="op")):
+        model = spec.build(args)
+        model.init_weights(3)
+        names = list(model.state_dict())
+        apply_ac(all_blocks(model, spec), cfg)
+        assert list(model.state_dict()) == names
+        checkpointed = [b.recompute is not None for b in model.layers.values()]
+        assert checkpointed == {"none": [False] * 4, "selective": [True, False, True, False] if
+                                cfg.selective_type == "layer" else [True] * 4}[cfg.mode][:len(checkpointed)]
+        calls = []
+        model.layers["1"].attention.register_forward_hook(lambda *_: calls.append(1))
+        model(tokens).float().square().mean().backward()
+        assert len(calls) == (1 if cfg.mode == "none" or cfg.selective_type == "layer" else 2)  # recomputed
+        grads.append([p.grad for p in model.parameters()])
+    for other in grads[1:]:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads[0], other))
+
+
 def _norm_worker(rank: int, world: int, store: str, out: str) -> None:
     """Two pipeline stages on disjoint halves of the world, each with a sharded, a replicated
     and a plain gradient, plus one on a partial mesh (each rank alone, as copies of an expert

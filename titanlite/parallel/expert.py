@@ -16,7 +16,7 @@ over the remaining data-parallel ranks (efsdp, and dp_replicate for HSDP).
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,17 @@ def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.T
     return torch.cat([chunks[r * cols + c] for c in range(cols) for r in range(rows)])
 
 
+@dataclass(frozen=True)
+class ExpertParallelDispatch:
+    """MoE.dispatch under expert parallelism over `group` (`ep` ranks)."""
+
+    group: dist.ProcessGroup
+    ep: int
+
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return ep_dispatch(experts, x, counts, self.group, self.ep)
+
+
 def ep_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
                 ep: int) -> torch.Tensor:
     """x: [N, dim] grouped by global expert id, counts[e] rows each. Runs every row on the rank
@@ -76,7 +87,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             moe.experts.register_parameter(
                 name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
-        moe.dispatch = partial(ep_dispatch, group=ep_mesh.get_group(), ep=ep)
+        moe.set_dispatch(ExpertParallelDispatch(ep_mesh.get_group(), ep))
         for name, p in moe.experts.named_parameters():
             if not isinstance(p, DTensor):
                 # ep_dispatch runs each rank's experts on its own shard: a whole copy would be
