@@ -113,13 +113,6 @@ _PROBED: dict[tuple[str, torch.dtype], str | None] = {}
 _LOGGED: set[str] = set()
 
 
-def counts_on_host(counts: torch.Tensor, rows: int) -> list:
-    """Routed token counts as host lists: a device-to-host copy, which waits for the device.
-    `rows` is what each row of counts' last dimension sums to when the load is perfectly
-    balanced; only the dry run's stand-in reads it (fake tensors hold no counts)."""
-    return counts.tolist()
-
-
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The rank's experts: under expert parallelism the stacked weights are DTensors sharded on dim 0."""
     return w.to_local() if isinstance(w, DTensor) else w
@@ -174,8 +167,6 @@ class GroupedExperts(nn.Module):
         self.mode = mode
         self.reset_parameters()
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
-        self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
-        """How counts reach the host; the dry run swaps in a balanced load."""
         self.compiled = False
         """Run the grouped GEMMs compiled (per-block compile, titanlite.parallel.apply)."""
 
@@ -221,7 +212,7 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm:
             grouped = compiled_grouped_swiglu() if self.compiled else grouped_swiglu
             return grouped(x, counts, w1, w2, w3, b1, b2, b3, limit, alpha)
-        sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
+        sizes = counts.tolist() if sizes is None else sizes  # the loop needs them on the host: a sync
         outs = [F.linear(swiglu(F.linear(xe, w1[e], _at(b1, e)), F.linear(xe, w3[e], _at(b3, e)), limit, alpha),
                          w2[e], _at(b2, e)) for e, xe in enumerate(torch.split(x, sizes))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
@@ -309,8 +300,6 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_meta:  # shapes only (pipeline stage shapes): routing needs values, the shape is x's
-            return torch.empty_like(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, expert_ids, scores = self.router(x)

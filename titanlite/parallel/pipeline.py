@@ -189,13 +189,13 @@ class StageShapes:
 
 def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
                  opts: ParallelizeOptions) -> StageShapes:
-    """Found by running a one-block copy of the model on meta tensors, so a family declares
-    nothing more (blocks keep the residual stream's shape, so one stands for any number)."""
-    with torch.device("meta"):
-        model = spec.build(replace(args, n_layers=1))
+    """Found by running the model's first and last parts, with no block between them, on meta
+    tensors, so a family declares nothing more (blocks keep the residual stream's shape, and
+    none runs: a mixture-of-experts block would route by values meta tensors do not hold)."""
+    with torch.device("meta"), torch.no_grad():  # no grad: training-only extras (MTP) stay out
         tokens = torch.zeros(microbatch_size, seq_len // dims.cp, dtype=torch.long)
-        logits = model(tokens)
-        hidden = cut(model, spec, 0, 1, True, False)(tokens)
+        logits = cut(spec.build(replace(args, n_layers=1)), spec, 0, 0, True, True)(tokens)
+        hidden = cut(spec.build(replace(args, n_layers=1)), spec, 0, 0, True, False)(tokens)
     rows, seq, dim = hidden.shape
     if dims.tp > 1 and opts.sequence_parallel:
         seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
