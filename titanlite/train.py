@@ -275,9 +275,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         ckpt.maybe_save(step, force=verdict.stop)
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             guard.phase("logging")
-            out = result.out
-            losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, plan.spec.extra_losses,
-                                   plan.spec.tp_replicated_losses, once)
+            losses = reduce_losses(result.out.loss_sum, result.out.extra_losses, result.out.n_targets,
+                                   plan.spec.extra_losses, plan.spec.tp_replicated_losses, once)
             speed, eta = throughput(step)
             metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
