@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.layers.attention import AttnContext, AttnSetup
 from titanlite.config.job import ActivationCheckpoint, Compile, LRScheduler, Optimizer, Parallelism
 from titanlite.parallel.mesh import ParallelDims, init_process_group
-from titanlite.loss import cross_entropy_sum, extra_losses, loss_context
+from titanlite.loss import ExtraLosses, cross_entropy_sum, loss_context
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.layers import init
 from titanlite.parallel import pipeline
@@ -75,7 +75,9 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
     # inside a step's extra-loss scope, as PipelineStep runs: a model's extra terms (multi-token
     # prediction) reach the gradients on every path
     n_targets = torch.tensor(float(labels.numel()))
-    with extra_losses(n_targets):
+    extra = ExtraLosses()
+    extra.bind([ref])
+    with extra.collect(n_targets):
         cross_entropy_sum(ref(inputs), labels).div(n_targets).backward()
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
@@ -101,7 +103,8 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parts = [spec.build(args)]
         parallelize(parts[0], spec, meshes, opts)
         init.materialize(parts[0], torch.device("cpu"), 0)
-        with loss_context(opts.loss_parallel), extra_losses(n_targets):
+        extra.bind(parts)
+        with loss_context(opts.loss_parallel), extra.collect(n_targets):
             cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(n_targets).backward()
         mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])

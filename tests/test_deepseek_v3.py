@@ -271,13 +271,15 @@ def test_bad_model_and_layout_refused_in_one_line():
 def test_mtp_loss_reaches_the_training_loss():
     """The MTP term is computed inside a training step (and only there), its gradient reaches
     the MTP weights and the shared embedding through the main loss's backward."""
-    from titanlite.loss import cross_entropy_sum, extra_losses
+    from titanlite.loss import ExtraLosses, cross_entropy_sum
     args = dataclasses.replace(flavors["debugmodel"], max_seq_len=64)
     model = Transformer(args)
     model.init_weights(0)
     tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(1))
     n = torch.tensor(float(tokens[:, 1:].numel()))
-    with extra_losses(n) as sums:
+    extra = ExtraLosses()
+    extra.bind([model])
+    with extra.collect(n) as sums:
         (cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / n).backward()
     assert set(sums) == {"mtp_loss"} and sums["mtp_loss"] > 0
     assert model.mtp["0"].eh_proj.weight.grad.abs().sum() > 0
@@ -289,6 +291,7 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     """Per-block compile: the dense block whole; in a MoE block the attention (MLA), the router,
     the shared experts and the experts' grouped GEMMs; only their data-dependent dispatch stays
     eager. The compiled training run is in test_deepseek_v3_parity.py."""
+    from titanlite.layers.moe import moe_layers
     from titanlite.parallel.apply import all_blocks, apply_compile
     compiled: list[torch.nn.Module] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append(self))
@@ -299,6 +302,5 @@ def test_compile_goes_through_mla_and_the_moe_block_around_the_experts(monkeypat
     assert names == {"layers.0", *(f"{block}.{part}" for block in ("layers.1", "layers.2", "mtp.0.block")
                                    for part in ("attention", "moe.router", "moe.shared"))}
     # the experts' grouped GEMMs and SwiGLU: one compiled function shared by every MoE layer
-    from titanlite.layers.moe import grouped_swiglu
-    grouped = {model.layers[i].moe.experts.grouped for i in ("1", "2")}
-    assert len(grouped) == 1 and grouped_swiglu not in grouped
+    assert all(m.experts.compiled for m in moe_layers([model]))
+    assert not any(m.experts.compiled for m in moe_layers([Transformer(model.args)]))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlite.loss import extra_losses
+from titanlite.loss import ExtraLosses
 from titanlite.layers.moe import AUX_LOSS, MoE, MoEArgs, grouped_mm_supported, update_router_bias
 
 DIM = 64
@@ -143,7 +143,9 @@ def test_aux_loss_gradient_is_its_sum_over_the_target_count():
     args = dataclasses.replace(ARGS, aux_loss_coeff=1.0)
     x, n_targets = _x(), torch.tensor(5.0)
     moe = _moe(args)
-    with extra_losses(n_targets) as sums:
+    extra = ExtraLosses()
+    extra.bind([moe])
+    with extra.collect(n_targets) as sums:
         _main_loss(moe(x)).backward()
     got = moe.router.gate.weight.grad.clone()
 
@@ -166,7 +168,9 @@ def _main_loss(out: torch.Tensor) -> torch.Tensor:
 
 def _grad_without_aux(x: torch.Tensor) -> torch.Tensor:
     moe = _moe(ARGS)
-    with extra_losses(torch.tensor(5.0)):
+    extra = ExtraLosses()
+    extra.bind([moe])
+    with extra.collect(torch.tensor(5.0)):
         _main_loss(moe(x)).backward()
     return moe.router.gate.weight.grad
 

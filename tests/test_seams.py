@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from titanlite.layers import init
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
-from titanlite.loss import add_extra_loss, extra_losses
+from titanlite.loss import ExtraLosses
 from titanlite.model_spec import get_model_spec
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.grad_norm import local_grad_sq
@@ -59,16 +59,60 @@ def test_extra_loss_gets_the_gradient_of_its_share_of_the_loss():
     x = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(3, requires_grad=True)
     n_targets = torch.tensor(8.0)
-    with extra_losses(n_targets) as sums:
+    extra = ExtraLosses()
+    with extra.collect(n_targets) as sums:
         aux = (x @ w).square().sum()  # a sum over tokens
-        y = add_extra_loss(x * 2, "aux", aux)
+        y = extra.add(x * 2, "aux", aux)
         (y.sum() / n_targets).backward()
     assert torch.equal(sums["aux"], aux.detach())
     got = w.grad.clone()
     w.grad = None
     ((x * 2).sum() / n_targets + (x @ w).square().sum() / n_targets).backward()
     torch.testing.assert_close(got, w.grad, rtol=0, atol=0)
-    assert add_extra_loss(x, "aux", aux) is x  # outside a training step: nothing happens
+    assert extra.add(x, "aux", aux) is x  # outside a training step: nothing happens
+
+
+def test_extra_loss_counts_once_when_activation_checkpointing_recomputes():
+    """The forward runs again in backward under activation checkpointing; the term is logged
+    once per micro-batch all the same, in forward order."""
+    from torch.utils.checkpoint import checkpoint
+    x, w, n_targets = torch.randn(4, 3, requires_grad=True), torch.randn(3), torch.tensor(8.0)
+    extra = ExtraLosses()
+
+    def block(h: torch.Tensor, k: float) -> torch.Tensor:
+        return extra.add(h * 2, "aux", k * (h @ w).square().sum())
+
+    with extra.collect(n_targets) as sums:
+        for k in (1.0, 3.0):  # two micro-batches
+            (checkpoint(block, x, k, use_reentrant=False).sum() / n_targets).backward()
+    aux = (x @ w).square().sum().detach()
+    assert extra.forwards == 4 and torch.equal(sums["aux"], 1.0 * aux + 3.0 * aux)
+
+
+def test_activation_checkpointing_is_a_field_the_block_reads():
+    """AC is the plan's Recompute on the block itself: names and gradients are the model's own."""
+    from titanlite.parallel.apply import all_blocks, apply_ac
+    spec = get_model_spec("qwen3_moe")
+    args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=32)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for cfg in (ActivationCheckpoint(), ActivationCheckpoint(mode="selective", selective_every=2),
+                ActivationCheckpoint(mode="selective", selective_type="op")):
+        model = spec.build(args)
+        model.init_weights(3)
+        names = list(model.state_dict())
+        apply_ac(all_blocks(model, spec), cfg)
+        assert list(model.state_dict()) == names
+        checkpointed = [b.recompute is not None for b in model.layers.values()]
+        assert checkpointed == {"none": [False] * 4, "selective": [True, False, True, False] if
+                                cfg.selective_type == "layer" else [True] * 4}[cfg.mode][:len(checkpointed)]
+        calls = []
+        model.layers["1"].attention.register_forward_hook(lambda *_: calls.append(1))
+        model(tokens).float().square().mean().backward()
+        assert len(calls) == (1 if cfg.mode == "none" or cfg.selective_type == "layer" else 2)  # recomputed
+        grads.append([p.grad for p in model.parameters()])
+    for other in grads[1:]:
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads[0], other))
 
 
 def _norm_worker(rank: int, world: int, store: str, out: str) -> None:
@@ -282,7 +326,7 @@ def test_titanlite_has_no_import_cycle_and_no_file_over_500_lines():
 # that need checkpoint, data or parallel live in titanlite.preflight); layers know nothing of
 # parallel (the static facts of a run reach them as objects: titanlite.layers.attention.AttnSetup).
 TIERS = [{"errors"}, {"config"}, {"loss", "data", "optim", "runtime", "metrics", "model_spec"}, {"layers"},
-         {"step"}, {"checkpoint", "parallel"}, {"preflight", "__init__"}, {"train"}, {"dryrun"}, {"plan"}]
+         {"step"}, {"checkpoint", "parallel"}, {"preflight", "__init__", "loop"}, {"train"}, {"dryrun"}, {"plan"}]
 
 
 def test_titanlite_packages_import_only_the_tiers_below_them():

@@ -4,9 +4,11 @@ optionally compiled, in chunks of tokens at long context."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -67,49 +69,72 @@ def build_loss_fn(cfg: Compile, loss_parallel: bool) -> Callable[[torch.Tensor, 
 
 # ---- extra loss terms that a model adds (e.g. MoE load balancing) ----------------------
 
-class _ExtraLosses:
-    """What the running step needs: the scale of the training loss (1 / global target count)
-    and the sums of the extra terms, for logging."""
-
-    scale: torch.Tensor | None = None
-    sums: dict[str, torch.Tensor] = {}
-
-
 class _AddLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, loss_sum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, loss_sum: torch.Tensor, scale: torch.Tensor, owner: "ExtraLosses",
+                name: str, order: int) -> torch.Tensor:
         ctx.save_for_backward(scale)
         ctx.shape, ctx.dtype = loss_sum.shape, loss_sum.dtype
+        ctx.owner, ctx.name, ctx.order, ctx.value = owner, name, order, loss_sum.detach()
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
+        # Recorded here, not in forward: an activation-checkpoint recomputation runs the forward
+        # again, but only the first forward's node runs backward, once
+        ctx.owner.terms[ctx.order] = (ctx.name, ctx.value)
         (scale,) = ctx.saved_tensors
-        return grad, scale.to(ctx.dtype).expand(ctx.shape), None
+        return grad, scale.to(ctx.dtype).expand(ctx.shape), None, None, None, None
 
 
-def add_extra_loss(x: torch.Tensor, name: str, loss_sum: torch.Tensor) -> torch.Tensor:
-    """Add `loss_sum / global target count` to the training loss; returns `x` unchanged.
+@dataclass
+class ExtraLosses:
+    """The extra loss terms of a training step, owned by the step object. Modules that add a term
+    declare an `extra_losses` attribute (None when built); the step hands them its ExtraLosses
+    with `bind`, and each step runs inside `collect`."""
 
-    Model code calls this in forward on an activation that reaches the loss (its backward is
-    where the term's gradient enters, so it works in any pipeline stage). `loss_sum` must be a
-    sum over tokens (or sequences), never a mean: summed over micro-batches and ranks and
-    divided by the global target count, the term then does not depend on the layout. Outside
-    a training step (validation, plain calls) it is a no-op.
-    """
-    if _ExtraLosses.scale is None or not torch.is_grad_enabled():
-        return x
-    if torch._C._current_graph_task_id() == -1:  # not an activation-checkpoint recomputation
-        total = _ExtraLosses.sums.get(name)
-        _ExtraLosses.sums[name] = loss_sum.detach() if total is None else total + loss_sum.detach()
-    return _AddLoss.apply(x, loss_sum, _ExtraLosses.scale)
+    scale: torch.Tensor | None = None
+    """1 / the step's global target count, the training loss's scale; None outside a step."""
+    terms: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    """forward order -> (name, loss_sum) of each term whose backward has run this step."""
+    forwards: int = 0
+
+    def bind(self, parts: list[nn.Module]) -> None:
+        for part in parts:
+            for module in part.modules():
+                if hasattr(module, "extra_losses"):
+                    module.extra_losses = self
+
+    def add(self, x: torch.Tensor, name: str, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Add `loss_sum / global target count` to the training loss; returns `x` unchanged.
+
+        Model code calls this in forward on an activation that reaches the loss (its backward is
+        where the term's gradient enters, so it works in any pipeline stage). `loss_sum` must be a
+        sum over tokens (or sequences), never a mean: summed over micro-batches and ranks and
+        divided by the global target count, the term then does not depend on the layout. Outside
+        a training step (validation, plain calls) it is a no-op.
+        """
+        if self.scale is None or not torch.is_grad_enabled():
+            return x
+        self.forwards += 1
+        return _AddLoss.apply(x, loss_sum, self.scale, self, name, self.forwards)
+
+    @contextlib.contextmanager
+    def collect(self, n_targets: torch.Tensor):
+        """Within a training step: extra terms are scaled like the token loss; yields their
+        sums by name, filled when the step's backward is done."""
+        self.scale, self.terms, self.forwards = 1.0 / n_targets, {}, 0
+        sums: dict[str, torch.Tensor] = {}
+        try:
+            yield sums
+        finally:
+            self.scale = None
+            for order in sorted(self.terms):  # summed in forward order, as the layers ran
+                name, value = self.terms[order]
+                sums[name] = value if name not in sums else sums[name] + value
+            self.terms = {}
 
 
-@contextlib.contextmanager
-def extra_losses(n_targets: torch.Tensor):
-    """Within a training step: extra terms are scaled like the token loss; yields their sums."""
-    _ExtraLosses.scale, _ExtraLosses.sums = 1.0 / n_targets, {}
-    try:
-        yield _ExtraLosses.sums
-    finally:
-        _ExtraLosses.scale = None
+def add_extra_loss(extra: ExtraLosses | None, x: torch.Tensor, name: str, loss_sum: torch.Tensor) -> torch.Tensor:
+    """`extra.add(x, name, loss_sum)` for a module whose `extra_losses` no step has bound (None): x."""
+    return x if extra is None else extra.add(x, name, loss_sum)

@@ -7,21 +7,22 @@ each micro-batch through the whole model in turn; a pipeline schedule is the oth
 
 The loss is the sum of token losses divided by the step's global target count, so results do
 not depend on the layout or the micro-batch split. Extra terms a model adds
-(`titanlite.loss.add_extra_loss`) are divided by the same count and returned for logging.
+(`titanlite.loss.ExtraLosses`, which the step owns and binds to the model's layers) are divided
+by the same count and returned for logging.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import IGNORE_INDEX, extra_losses, loss_context
+from titanlite.loss import IGNORE_INDEX, ExtraLosses, loss_context
 
 Batch = dict[str, torch.Tensor]
 
@@ -59,6 +60,10 @@ class PlainStep:
     mirrors: tuple[nn.Parameter, ...] = ()
     """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
     gradient norm counts them once, through the original."""
+    extra: ExtraLosses = field(default_factory=ExtraLosses)
+
+    def __post_init__(self) -> None:
+        self.extra.bind([self.model])
 
     def _loss_sum(self, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -71,7 +76,7 @@ class PlainStep:
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)
         loss_sum = torch.zeros((), device=n_targets.device)
-        with extra_losses(n_targets) as extra:
+        with self.extra.collect(n_targets) as extra:
             for batch in batches:
                 # loss parallel must cover the backward too
                 with loss_context(self.loss_parallel):

@@ -30,13 +30,13 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
 from titanlite.loss import LossFn, build_loss_fn
+from titanlite.loop import Referee, Update, Verdict, one_step
 from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
     reduce_losses
 from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers, warmup_note
 from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
-from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq, reduce_partial_grads
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
 from titanlite.preflight import Plan, param_dtype, preflight
 from titanlite.runtime import fault, gc_control, restart
@@ -45,7 +45,7 @@ from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.profiling import Profiler
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
-from titanlite.step import PlainStep
+from titanlite.step import PlainStep, StepOutput
 
 
 def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:
@@ -89,15 +89,6 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
                                  loss_fn, opts, attn, autocast, device, shapes)
 
 
-def run_hooks(hooks: list, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Post-step hooks, told on the device whether the step was skipped; each may return scalars
-    to log (device tensors, read only when logged)."""
-    scalars = {}
-    for hook in hooks:
-        scalars |= hook(skipped) or {}
-    return scalars
-
-
 @dataclass(frozen=True)
 class Prepare:
     """This rank's part of a loader micro-batch, on the device (training and validation)."""
@@ -110,6 +101,38 @@ class Prepare:
         # pinned host memory on GPU: the copies overlap with compute
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         return context.shard_batch(batch, self.cp_rank, self.cp) if self.cp > 1 else batch
+
+
+def logged(step: int, log_freq: int, steps: int) -> bool:
+    """Whether step `step`'s metrics are logged: the first, every log_freq-th and the last."""
+    return step == 1 or step % log_freq == 0 or step == steps
+
+
+@dataclass
+class GuardReferee(Referee):
+    """A training run's referee: the fault guard votes (stop, non-finite, with a spike window its
+    loss share) and decides; the host reads the verdict a step late unless it syncs anyway."""
+
+    guard: Guard
+    ckpt: CheckpointManager
+    fused: bool
+    """The optimizer skips a non-finite update on the device (implementation = fused)."""
+    once: bool
+    """This rank counts the loss sum for the spike window (tensor-parallel ranks hold the same)."""
+    log_freq: int
+    steps: int
+
+    def votes(self, out: StepOutput) -> torch.Tensor:
+        share = (None if self.guard.verdict.window is None else
+                 (out.loss_sum if self.once else torch.zeros_like(out.loss_sum)) / out.n_targets)
+        return self.guard.votes(out.loss_sum, share)
+
+    def verdict(self, grad_norm: torch.Tensor, votes: torch.Tensor) -> Verdict:
+        step = self.guard.step
+        bad = self.guard.decide(grad_norm, votes, read_now=logged(step, self.log_freq, self.steps) or self.ckpt.due(step) or not self.fused)
+        self.ckpt.wait_for_staging()  # an async save still copying must see the weights before the update
+        # bad: the device's verdict, also where the host reads it a step late
+        return Verdict(bad, self.guard.verdict.skip, bad if self.fused else None)
 
 
 def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
@@ -191,7 +214,6 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         init.materialize(part, device, t.seed)
         part.train()
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
-    fused_optimizer = cfg.optimizer.implementation == "fused"
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
@@ -212,8 +234,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)))
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
-    params = [p for part in parts for p in part.parameters()]
-    norm_params = [p for p in params if all(p is not m for m in train_step.mirrors)]
+    update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks)
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
@@ -231,30 +252,18 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
+    once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
+    referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
 
     step = start_step
     while step < t.steps:
         step += 1
         guard.start_step(step)
         profiler.step_begin(step)
-        out = train_step([prepare(next(data_iter)) for _ in range(accum)])
-        reduce_partial_grads(params)
-        once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
-        share = None if window is None else (out.loss_sum if once else torch.zeros_like(out.loss_sum)) / out.n_targets
-        grad_norm, votes = global_norm(local_grad_sq(norm_params, meshes.stage_ranks), guard.votes(out.loss_sum, share))
-        logs = step == 1 or step % cfg.metrics.log_freq == 0 or step == t.steps
-        # the host reads a step's verdict late unless it syncs anyway (log, save) or must
-        bad = guard.decide(grad_norm, votes, read_now=logs or ckpt.due(step) or not fused_optimizer)
-        clip_grads(params, t.max_norm, grad_norm)
         lr = optimizers.lr
-        ckpt.wait_for_staging()
-        if not verdict.skip:
-            # fused: a non-finite step updates nothing, decided on the device
-            optimizers.step(bad if fused_optimizer else None)
+        result = one_step(train_step, [prepare(next(data_iter)) for _ in range(accum)], update, referee)
         optimizers.step_schedule()
         optimizers.zero_grad()
-        # bad: the device's verdict, also where the host reads it a step late
-        scalars = run_hooks(hooks, bad)
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
@@ -264,15 +273,15 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             continue
         guard.phase("checkpoint save")
         ckpt.maybe_save(step, force=verdict.stop)
-        if logs or verdict.stop:
+        if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             guard.phase("logging")
-            losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, plan.spec.extra_losses,
-                                   plan.spec.tp_replicated_losses, once)
+            losses = reduce_losses(result.out.loss_sum, result.out.extra_losses, result.out.n_targets,
+                                   plan.spec.extra_losses, plan.spec.tp_replicated_losses, once)
             speed, eta = throughput(step)
-            metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": grad_norm.item(), "lr": lr, **speed,
+            metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
                                "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
-                               **losses, **{k: float(v) for k, v in scalars.items()},
+                               **losses, **{k: float(v) for k, v in result.scalars.items()},
                                **({} if window is None else {"spike_steps": verdict.spikes}),
                                **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)
         if verdict.stop:

@@ -28,6 +28,7 @@ from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
 from titanlite.layers.moe import MoE, MoEArgs
 from titanlite.layers.mtp import MTPModule, mtp_loss
+from titanlite.loss import ExtraLosses
 
 LATENT_NORM_EPS = 1e-6
 """transformers' DeepSeek-V3 builds the q and kv latent norms with their default eps, not rms_norm_eps."""
@@ -131,6 +132,8 @@ class Transformer(Decoder):
         if args.mtp_layers:
             self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
             self.mtp_embeddings.weight = self.tok_embeddings.weight
+        self.extra_losses: ExtraLosses | None = None
+        """Where the MTP loss goes: the training step's (bound by the step), None outside one."""
 
     def block_depth(self, name: str) -> int | None:
         """MTP depth k is drawn as block n_layers + k."""
@@ -152,5 +155,5 @@ class Transformer(Decoder):
             if ids is None:
                 raise ValueError("multi-token prediction on a later pipeline stage needs AttnContext.tokens")
             h = mtp_loss(self.mtp, h, ids, ctx, cos, sin, self.mtp_embeddings,
-                         lambda m, x: self.output(m.norm(x)), self.args.mtp_loss_weight)
+                         lambda m, x: self.output(m.norm(x)), self.args.mtp_loss_weight, self.extra_losses)
         return self.output(self.norm(h))

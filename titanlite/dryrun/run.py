@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite.config import load as config_load
@@ -42,13 +42,13 @@ from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
 from titanlite.layers import init
-from titanlite.layers.moe import GroupedExperts, grouped_mm_supported, moe_layers
 from titanlite.loss import build_loss_fn
 from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
-from titanlite.parallel.grad_norm import clip_grads, global_norm, local_grad_sq
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
+from titanlite.dryrun.standins import TracedReferee, fake_routing
+from titanlite.loop import Update, one_step
 from titanlite.model_spec import in_model_code
 from titanlite.preflight import Plan, check_attention, make_plan, preflight
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
@@ -89,33 +89,6 @@ def group_names(meshes) -> dict:
     # ep's group is often data parallel's too (ep = dp_shard); only expert parallelism all-to-alls
     names["all_to_all", meshes.ep.get_group().group_name] = "ep"
     return names
-
-
-def balanced_counts(counts: torch.Tensor, rows: int) -> list:
-    """`GroupedExperts.host_counts` under fake tensors, which hold no routing: a perfectly
-    balanced load, each row of the last dimension spreading `rows` evenly over its entries."""
-    q, r = divmod(rows, counts.shape[-1])
-    row = [q + (i < r) for i in range(counts.shape[-1])]
-    return [list(row) for _ in range(counts.shape[0])] if counts.dim() == 2 else row
-
-
-def _cuda_expert_path(experts: GroupedExperts, args: tuple) -> None:
-    """The experts' path as a CUDA job picks it, which this host cannot probe."""
-    if experts.use_grouped_mm is None:
-        why = "moe.grouped_mm = off" if experts.mode == "off" else grouped_mm_supported(
-            torch.device("cuda"), args[0].dtype, tuple(experts.w1.shape[1:]), probe=False)
-        if why is not None and experts.mode == "on":
-            raise ConfigError(f"moe.grouped_mm = on, but {why}; use auto or off")
-        experts.use_grouped_mm = why is None
-
-
-def fake_routing(parts: list[torch.nn.Module], device: str) -> None:
-    """Route every MoE layer's tokens as a balanced load (docs/scaling.md says what imbalance
-    costs), through the experts' path the job would take on `device`."""
-    for experts in (m.experts for m in moe_layers(parts)):
-        experts.host_counts = balanced_counts
-        if device == "cuda":
-            experts.register_forward_pre_hook(_cuda_expert_path)
 
 
 def stage_depth(plan: Plan) -> int:
@@ -165,8 +138,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
-        params = [p for part in parts for p in part.parameters()]
-        norm_params = [p for p in params if all(p is not m for m in step.mirrors)]
+        update = Update.of(parts, step, meshes.stage_ranks, t.max_norm, optimizers, hooks)
+        params = update.params
         # trace a steady-state step: AdamW creates its moments in the first step
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -186,17 +159,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
         watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
-        with tracer:  # train.py's loop body, less checkpointing, logging and the fault guard
-            out = step(batches)
-            watch.reduce_partial_grads(params)
-            with unset_fake_temporarily():  # it reads the mesh's rank tensor, a real one
-                grad_sq = local_grad_sq(norm_params, meshes.stage_ranks)
-            # the step's one world all-reduce: gradient norm and the guard's two votes
-            norm, _ = global_norm(grad_sq, torch.stack([torch.zeros_like(out.loss_sum), out.loss_sum]))
-            clip_grads(params, t.max_norm, norm)
-            optimizers.step(None)
-            for hook in hooks:
-                hook(torch.zeros_like(norm))  # the guard's skip flag, a device scalar
+        with tracer:  # train.py's loop body, less checkpointing and logging
+            one_step(step, batches, update, TracedReferee(watch))
         for h in handles:
             h.remove()
         watch.close()

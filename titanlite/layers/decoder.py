@@ -11,6 +11,7 @@ from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from titanlite.layers import init, rope
 from titanlite.layers.attention import AttnContext
@@ -53,6 +54,21 @@ class DecoderArgs:
         return self.sliding_window
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """How a block recomputes its activations in backward (activation checkpointing), which
+    titanlite.parallel.apply gives a Block as its plan says; `context_fn`: torch's selective
+    checkpoint contexts (per-op AC), None for the whole block."""
+
+    context_fn: Callable[[], tuple] | None = None
+
+    def __call__(self, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        # compile traces a context_fn it is handed, but not torch's default one (torch 2.15:
+        # "checkpoint not implemented for LazyVariableTracker context_fn"): pass none then
+        options = {} if self.context_fn is None else {"context_fn": self.context_fn}
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options)
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then h + ffn(norm(h)). The feed-forward is registered as
     `feed_forward` (dense) or `moe` (titanlite.layers.moe.MoE), so parameter names say which.
@@ -69,8 +85,18 @@ class Block(nn.Module):
         self.ffn_norm = norm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
         self.moe = moe
+        self.recompute: Recompute | None = None
+        """Activation checkpointing, set by the parallel plan; None: activations are kept. The
+        block checkpoints its own forward, so its parameter names and FSDP's and compile's
+        hooks are those of the block itself."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None) -> torch.Tensor:
+        if self.recompute is None:
+            return self._forward(x, cos, sin, ctx)
+        return self.recompute(self._forward, x, cos, sin, ctx)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext | None
+                 ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, ctx)
         ffn = self.feed_forward if self.moe is None else self.moe
         return h + ffn(self.ffn_norm(h))

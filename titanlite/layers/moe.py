@@ -10,13 +10,14 @@ Load balancing, two kinds:
   (the gate weights come from the unbiased scores), moved after each optimizer step towards the
   mean load by `update_router_bias`, from loads counted over the whole data-parallel batch;
 - a load-balancing auxiliary loss (Switch style), added to the training loss through
-  `titanlite.loss.add_extra_loss`.
-Expert parallelism replaces `MoE.dispatch` (titanlite/parallel/expert.py); the math here is
-the single-device reference.
+  the training step's `titanlite.loss.ExtraLosses`.
+Expert parallelism gives `MoE.set_dispatch` its all-to-all dispatch (titanlite/parallel/expert.py);
+the math here is the single-device reference.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from titanlite.layers.feed_forward import FeedForward
-from titanlite.loss import add_extra_loss
+from titanlite.loss import ExtraLosses, add_extra_loss
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +113,6 @@ _PROBED: dict[tuple[str, torch.dtype], str | None] = {}
 _LOGGED: set[str] = set()
 
 
-def counts_on_host(counts: torch.Tensor, rows: int) -> list:
-    """Routed token counts as host lists: a device-to-host copy, which waits for the device.
-    `rows` is what each row of counts' last dimension sums to when the load is perfectly
-    balanced; only the dry run's stand-in reads it (fake tensors hold no counts)."""
-    return counts.tolist()
-
-
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The rank's experts: under expert parallelism the stacked weights are DTensors sharded on dim 0."""
     return w.to_local() if isinstance(w, DTensor) else w
@@ -150,6 +144,12 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     return out if b2 is None else out + b2[rows]
 
 
+@functools.cache
+def compiled_grouped_swiglu() -> Callable[..., torch.Tensor]:
+    """grouped_swiglu compiled once for every layer, its row count dynamic (it follows the routing)."""
+    return torch.compile(grouped_swiglu, fullgraph=True, dynamic=True)
+
+
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU MLPs as three stacked weights, in nn.Linear's (out, in) orientation,
     with `biases` b1, b2, b3 beside them and the SwiGLU clamped at `swiglu_limit` (MoEArgs)."""
@@ -167,10 +167,8 @@ class GroupedExperts(nn.Module):
         self.mode = mode
         self.reset_parameters()
         self.use_grouped_mm: bool | None = None  # decided on the first forward, on the real device
-        self.host_counts: Callable[[torch.Tensor, int], list] = counts_on_host
-        """How counts reach the host; the dry run swaps in a balanced load."""
-        self.grouped: Callable[..., torch.Tensor] = grouped_swiglu
-        """The grouped-GEMM path; per-block compile swaps in its compiled form (titanlite.parallel.apply)."""
+        self.compiled = False
+        """Run the grouped GEMMs compiled (per-block compile, titanlite.parallel.apply)."""
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -212,8 +210,9 @@ class GroupedExperts(nn.Module):
             b1, b2, b3 = (None if b is None else b.to(dtype) for b in (b1, b2, b3))
         limit, alpha = self.swiglu_limit, self.swiglu_alpha
         if self.use_grouped_mm:
-            return self.grouped(x, counts, w1, w2, w3, b1, b2, b3, limit, alpha)
-        sizes = self.host_counts(counts, x.shape[0]) if sizes is None else sizes  # the loop needs them on the host
+            grouped = compiled_grouped_swiglu() if self.compiled else grouped_swiglu
+            return grouped(x, counts, w1, w2, w3, b1, b2, b3, limit, alpha)
+        sizes = counts.tolist() if sizes is None else sizes  # the loop needs them on the host: a sync
         outs = [F.linear(swiglu(F.linear(xe, w1[e], _at(b1, e)), F.linear(xe, w3[e], _at(b3, e)), limit, alpha),
                          w2[e], _at(b2, e)) for e, xe in enumerate(torch.split(x, sizes))]
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
@@ -257,6 +256,10 @@ class Router(nn.Module):
         return weights, expert_ids, scores
 
 
+Dispatch = Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(experts, x grouped by global expert id, counts per expert) -> the experts' outputs in x's order."""
+
+
 def local_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """No expert parallelism: every expert is here, x is already grouped by expert."""
     return experts(x, counts)
@@ -278,11 +281,17 @@ class MoE(nn.Module):
         # tokens routed to each expert since the last optimizer step, for balancing and metrics;
         # not saved (the step's counts are consumed by the post-step hook)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        self.dispatch: Callable[[GroupedExperts, torch.Tensor, torch.Tensor], torch.Tensor] = local_dispatch
-        """Runs the experts on tokens grouped by (global) expert id; expert parallelism swaps it."""
+        self.dispatch: Dispatch = local_dispatch
+        """Runs the experts on tokens grouped by (global) expert id (`set_dispatch`)."""
         self.stats_group: dist.ProcessGroup | None = None
         """The ranks routing different tokens of one micro-batch (data x context x tensor parallel),
         over which the auxiliary loss counts loads; None on one process."""
+        self.extra_losses: ExtraLosses | None = None
+        """Where the auxiliary loss goes: the training step's (bound by the step), None outside one."""
+
+    def set_dispatch(self, dispatch: Dispatch) -> None:
+        """Run the experts through `dispatch` (expert parallelism's all-to-all) instead of here."""
+        self.dispatch = dispatch
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -291,8 +300,6 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_meta:  # shapes only (pipeline stage shapes): routing needs values, the shape is x's
-            return torch.empty_like(x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, expert_ids, scores = self.router(x)
@@ -317,7 +324,7 @@ class MoE(nn.Module):
         if self.args.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux = (self._sequence_aux_loss_sum(scores, expert_ids, shape) if self.args.aux_loss_per_sequence
                    else self._aux_loss_sum(scores, counts))
-            out = add_extra_loss(out, AUX_LOSS, aux)
+            out = add_extra_loss(self.extra_losses, out, AUX_LOSS, aux)
         return out.view(shape)
 
     def _sequence_aux_loss_sum(self, scores: torch.Tensor, expert_ids: torch.Tensor,

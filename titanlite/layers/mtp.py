@@ -1,5 +1,5 @@
 """Multi-token prediction (DeepSeek-V3): modules after the last block that each predict one
-more token ahead, trained through an extra loss term (titanlite.loss.add_extra_loss).
+more token ahead, trained through an extra loss term (titanlite.loss.ExtraLosses).
 
 Depth k (1..n) at position i combines the previous depth's hidden state (depth 1: the last
 block's, before the final norm) with the embedding of token i + k, runs one more block and
@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnContext
-from titanlite.loss import IGNORE_INDEX, add_extra_loss, cross_entropy_sum
+from titanlite.loss import IGNORE_INDEX, ExtraLosses, add_extra_loss, cross_entropy_sum
 
 MTP_LOSS = "mtp_loss"
 
@@ -67,11 +67,12 @@ def shifted(tokens: torch.Tensor, ctx: AttnContext | None, depth: int) -> tuple[
 def mtp_loss(modules: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor, ctx: AttnContext | None,
              cos: torch.Tensor, sin: torch.Tensor, embed: nn.Module, norm_head: Callable[[nn.Module, torch.Tensor],
                                                                                    torch.Tensor],
-             weight: float) -> torch.Tensor:
+             weight: float, extra: ExtraLosses | None) -> torch.Tensor:
     """Run every depth from the last block's output `h` and add weight / n x the summed token
-    losses of all depths to the training loss (logged as MTP_LOSS); returns `h`, through which
-    the term's gradient enters. `norm_head(module, x)`: the module's norm, then the output head."""
-    if not modules or not torch.is_grad_enabled():
+    losses of all depths to the training loss (`extra`, the step's; logged as MTP_LOSS); returns
+    `h`, through which the term's gradient enters. `norm_head(module, x)`: the module's norm,
+    then the output head."""
+    if not modules or not torch.is_grad_enabled() or extra is None:
         return h  # validation and inference predict the next token only
     total, x = None, h
     for depth, module in enumerate(modules.values(), start=1):
@@ -79,4 +80,4 @@ def mtp_loss(modules: nn.ModuleDict, h: torch.Tensor, tokens: torch.Tensor, ctx:
         x = module(x, embed(ids), cos, sin, ctx)
         loss = cross_entropy_sum(norm_head(module, x), targets)
         total = loss if total is None else total + loss
-    return add_extra_loss(h, MTP_LOSS, total * (weight / len(modules)))
+    return add_extra_loss(extra, h, MTP_LOSS, total * (weight / len(modules)))

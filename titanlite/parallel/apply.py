@@ -7,18 +7,18 @@ cp group from its AttnContext); a pipeline stage is cut before this runs on it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                     noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
+from titanlite.errors import ConfigError
+from titanlite.layers.decoder import Block, Recompute
 from titanlite.model_spec import ModelSpec
-from titanlite.layers.moe import grouped_swiglu, moe_layers
+from titanlite.layers.moe import moe_layers
 from titanlite.layers.mtp import mtp_blocks
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
@@ -77,32 +77,23 @@ def _selective_contexts() -> tuple:
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
-def _checkpoint(block: nn.Module, context_fn: Callable[[], tuple] = noop_context_fn) -> None:
-    """Run `block`'s forward under torch.utils.checkpoint. The block's own forward is replaced
-    rather than the block wrapped, so parameter names (and checkpoints) stay those of the
-    single-device model, and FSDP's and compile's hooks stay on the block itself."""
-    forward = block.forward
-    # compile traces a context_fn it is handed, but not torch's default one held in a closure
-    # (torch 2.15: "checkpoint not implemented for LazyVariableTracker context_fn"): pass none then
-    options = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
-
-    def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options, **kwargs)
-    block.forward = checkpointed
-
-
 def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
     if cfg.mode == "none":
         return
-    if cfg.mode == "selective" and cfg.selective_type == "op":
+    per_op = cfg.mode == "selective" and cfg.selective_type == "op"
+    if per_op:
         torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
     for i, block in enumerate(blocks):
-        if cfg.mode == "selective" and cfg.selective_type == "op":
-            _checkpoint(block, _selective_contexts)
+        if not isinstance(block, Block):
+            raise ConfigError(f"activation_checkpoint.mode = {cfg.mode}: the model's block {type(block).__name__} "
+                              "is not a titanlite.layers.decoder.Block, whose `recompute` field the plan sets; "
+                              "build blocks as Block or set activation_checkpoint.mode = none")
+        if per_op:
+            block.recompute = Recompute(_selective_contexts)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
-            _checkpoint(block)
+            block.recompute = Recompute()
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
@@ -115,7 +106,6 @@ def apply_compile(blocks: list[nn.Module]) -> None:
     its experts' grouped GEMMs with the SwiGLU between them, one compiled function for every
     layer, whose row count is dynamic (it follows the routing). torch's modules (the norms)
     have no frame of their own for Dynamo to compile alone."""
-    experts = None
     for block in blocks:
         moes = moe_layers([block])
         if not moes:
@@ -128,8 +118,7 @@ def apply_compile(blocks: list[nn.Module]) -> None:
             for part in (moe.router, moe.shared):
                 if part is not None:
                     part.compile(fullgraph=True)
-            experts = experts or torch.compile(grouped_swiglu, fullgraph=True, dynamic=True)
-            moe.experts.grouped = experts
+            moe.experts.compiled = True
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions) -> None:

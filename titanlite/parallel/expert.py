@@ -5,8 +5,8 @@ all-to-all (uneven splits), computed there with the grouped GEMM, and sent back 
 Both are differentiable (backward is the reverse all-to-all), and both run on gloo.
 
 The split sizes must be on the host: each MoE layer exchanges its per-expert token counts
-(one small all-to-all) and copies them to the host once, together with the counts it sends
-(`GroupedExperts.host_counts`), the only device-to-host copy the layer makes. Nothing else
+(one small all-to-all) and copies them to the host once, together with the counts it sends,
+the only device-to-host copy the layer makes. Nothing else
 in the step waits on the device.
 
 Expert weights stay the stacked [num_experts, ...] tensors, as DTensors sharded on dim 0 over
@@ -16,7 +16,7 @@ over the remaining data-parallel ranks (efsdp, and dp_replicate for HSDP).
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,23 +50,41 @@ def _reorder(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.T
     return torch.cat([chunks[r * cols + c] for c in range(cols) for r in range(rows)])
 
 
-def ep_dispatch(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup,
-                ep: int) -> torch.Tensor:
-    """x: [N, dim] grouped by global expert id, counts[e] rows each. Runs every row on the rank
-    holding its expert and returns the results in x's order."""
-    n_local = counts.numel() // ep
-    # received[r * n_local + e]: rows rank r sends for this rank's local expert e
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    sent, got = experts.host_counts(torch.stack([counts, received]), x.shape[0])  # the layer's one copy
-    sent, got = ([c[r * n_local:(r + 1) * n_local] for r in range(ep)] for c in (sent, got))
-    in_splits, out_splits = [sum(s) for s in sent], [sum(g) for g in got]
-    y = all_to_all_single_autograd(x, out_splits, in_splits, group)
-    # arrives grouped by (source rank, local expert); the grouped GEMM wants (local expert, source)
-    y = _reorder(y, [n for g in got for n in g], ep, n_local)
-    y = experts(y, received.view(ep, n_local).sum(0), sizes=[sum(g[e] for g in got) for e in range(n_local)])
-    y = _reorder(y, [g[e] for e in range(n_local) for g in got], n_local, ep)
-    return all_to_all_single_autograd(y, in_splits, out_splits, group)
+@dataclass(frozen=True)
+class ExpertParallelDispatch:
+    """MoE.dispatch under expert parallelism over `group` (`ep` ranks): x [N, dim] grouped by
+    global expert id, counts[e] rows each. Runs every row on the rank holding its expert and
+    returns the results in x's order."""
+
+    group: dist.ProcessGroup
+    ep: int
+
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        received = self.exchange(counts)
+        sent, got = torch.stack([counts, received]).tolist()  # the layer's one device-to-host copy
+        return self.run(experts, x, received, sent, got)
+
+    def exchange(self, counts: torch.Tensor) -> torch.Tensor:
+        """received[r * n_local + e]: the rows rank r sends for this rank's local expert e."""
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        return received
+
+    def run(self, experts: GroupedExperts, x: torch.Tensor, received: torch.Tensor, sent: list[int],
+            got: list[int]) -> torch.Tensor:
+        """The token all-to-all, the local experts and the way back, with the rows this rank
+        sends per global expert (`sent`) and receives per (source rank, local expert) (`got`)
+        on the host."""
+        ep, group = self.ep, self.group
+        n_local = len(sent) // ep
+        sent, got = ([c[r * n_local:(r + 1) * n_local] for r in range(ep)] for c in (sent, got))
+        in_splits, out_splits = [sum(s) for s in sent], [sum(g) for g in got]
+        y = all_to_all_single_autograd(x, out_splits, in_splits, group)
+        # arrives grouped by (source rank, local expert); the grouped GEMM wants (local expert, source)
+        y = _reorder(y, [n for g in got for n in g], ep, n_local)
+        y = experts(y, received.view(ep, n_local).sum(0), sizes=[sum(g[e] for g in got) for e in range(n_local)])
+        y = _reorder(y, [g[e] for e in range(n_local) for g in got], n_local, ep)
+        return all_to_all_single_autograd(y, in_splits, out_splits, group)
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -76,10 +94,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             moe.experts.register_parameter(
                 name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
-        moe.dispatch = partial(ep_dispatch, group=ep_mesh.get_group(), ep=ep)
+        moe.set_dispatch(ExpertParallelDispatch(ep_mesh.get_group(), ep))
         for name, p in moe.experts.named_parameters():
             if not isinstance(p, DTensor):
-                # ep_dispatch runs each rank's experts on its own shard: a whole copy would be
+                # the dispatch runs each rank's experts on its own shard: a whole copy would be
                 # trained by some experts' tokens only on each rank, and drift apart
                 raise ConfigError(f"parallelism.expert_parallel_degree {ep}: the experts' parameter {name} is not "
                                   "sharded by expert parallel, which shards GroupedExperts' own [num_experts, ...] "

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Pipel
 from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
-from titanlite.loss import extra_losses, loss_context
+from titanlite.loss import ExtraLosses, loss_context
 from titanlite.model_spec import ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
@@ -189,13 +189,13 @@ class StageShapes:
 
 def stage_shapes(spec: ModelSpec, args, microbatch_size: int, seq_len: int, dims: ParallelDims,
                  opts: ParallelizeOptions) -> StageShapes:
-    """Found by running a one-block copy of the model on meta tensors, so a family declares
-    nothing more (blocks keep the residual stream's shape, so one stands for any number)."""
-    with torch.device("meta"):
-        model = spec.build(replace(args, n_layers=1))
+    """Found by running the model's first and last parts, with no block between them, on meta
+    tensors, so a family declares nothing more (blocks keep the residual stream's shape, and
+    none runs: a mixture-of-experts block would route by values meta tensors do not hold)."""
+    with torch.device("meta"), torch.no_grad():  # no grad: training-only extras (MTP) stay out
         tokens = torch.zeros(microbatch_size, seq_len // dims.cp, dtype=torch.long)
-        logits = model(tokens)
-        hidden = cut(model, spec, 0, 1, True, False)(tokens)
+        logits = cut(spec.build(replace(args, n_layers=1)), spec, 0, 0, True, True)(tokens)
+        hidden = cut(spec.build(replace(args, n_layers=1)), spec, 0, 0, True, False)(tokens)
     rows, seq, dim = hidden.shape
     if dims.tp > 1 and opts.sequence_parallel:
         seq //= dims.tp  # the residual stream is sharded on the sequence between blocks
@@ -232,6 +232,8 @@ class PipelineStep:
         self._tie(ids)
         self._sums: list[torch.Tensor] = []
         self._n_targets: torch.Tensor | None = None
+        self.extra = ExtraLosses()
+        self.extra.bind(self.parts)
 
     def _stage(self, part: nn.Module, s: int) -> PipelineStage:
         sh = self.shapes
@@ -303,7 +305,7 @@ class PipelineStep:
     def __call__(self, batches: list[Batch]) -> StepOutput:
         self._n_targets = count_targets(batches, self.meshes.dp_cp.get_group())
         self._sums.clear()
-        with extra_losses(self._n_targets) as extra:
+        with self.extra.collect(self._n_targets) as extra:
             for batch in batches:
                 args, kwargs = self._inputs(batch)
                 with loss_context(self.opts.loss_parallel), self.autocast, self._compile_options():
