@@ -44,6 +44,7 @@ from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.profiling import Profiler
+from titanlite.runtime.replicas import Replicas
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.step import PlainStep
 
@@ -73,7 +74,8 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device: torch.device, loss_fn: LossFn) -> PlainStep | pipeline.PipelineStep:
+               device: torch.device, loss_fn: LossFn, replicas: Replicas | None = None
+               ) -> PlainStep | pipeline.PipelineStep:
     """The step object for this layout (train.py and the dry run pick it the same way);
     `loss_fn`: titanlite.loss.build_loss_fn's, or that wrapped (fault injection)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
@@ -82,7 +84,8 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast)
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast,
+                         across=None if replicas is None else replicas.count)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
@@ -204,12 +207,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
         ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
+    ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
+                   dp_rank, dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
-                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)))
+                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
     params = [p for part in parts for p in part.parameters()]
@@ -234,11 +239,17 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     step = start_step
     while step < t.steps:
+        step = step if ft is None else ft.begin(step)  # the quorum; a group behind heals from a peer
         step += 1
         guard.start_step(step)
         profiler.step_begin(step)
-        out = train_step([prepare(next(data_iter)) for _ in range(accum)])
+        batches = [next(data_iter) for _ in range(accum)] if ft is None else ft.batches(step)
+        out = train_step([prepare(b) for b in batches])
         reduce_partial_grads(params)
+        if ft is not None and not ft.sync(params, [out.loss_sum, *out.extra_losses.values()]):
+            optimizers.zero_grad()  # a group left or failed mid-step: the same batch again
+            step -= 1
+            continue
         once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
         share = None if window is None else (out.loss_sum if once else torch.zeros_like(out.loss_sum)) / out.n_targets
         grad_norm, votes = global_norm(local_grad_sq(norm_params, meshes.stage_ranks), guard.votes(out.loss_sum, share))
@@ -263,7 +274,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             throughput.last, throughput.last_step = time.perf_counter(), step
             continue
         guard.phase("checkpoint save")
-        ckpt.maybe_save(step, force=verdict.stop)
+        if ft is None or ft.writes_checkpoints():
+            ckpt.maybe_save(step, force=verdict.stop)
         if logs or verdict.stop:
             guard.phase("logging")
             losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, plan.spec.extra_losses,
@@ -289,6 +301,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     guard.phase("checkpoint save")  # the last save may still be writing
     ckpt.close()
     guard.close()
+    if ft is not None:
+        ft.close()
     metrics.close()
     finish(cfg.job.dump_folder, guard)
     return stop_line

@@ -1,0 +1,93 @@
+"""Replica groups through torchft (fault_tolerance.enable): two groups of 2 gloo ranks (FSDP 2
+inside each), each its own launch with its own rendezvous port, and a lighthouse this test starts
+on 127.0.0.1. Each step's global batch is split over the groups in its quorum and the target count
+summed over it, so every step matches one process on the same global batch, whether both groups
+train it or one."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import TINY, Run, assert_parity, fork_ranks, reference
+
+torchft = pytest.importorskip("torchft")
+
+LIMIT_S = 240
+ARGS = [*TINY, "--training.global_batch_size", "8", "--training.local_batch_size", "2",
+        "--comm.train_timeout_s", "120"]
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int):
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+                              heartbeat_timeout_ms=2000)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def group(replica_id: int, address: str, dump: Path, extra: list[str] = (), env: dict | None = None):
+    """One replica group of 2 ranks, as its own torchrun would start it (a port of its own)."""
+    logs = [dump.parent / f"{dump.name}-rank{r}.log" for r in range(2)]
+    args = [*ARGS, "--job.dump_folder", str(dump), "--fault_tolerance.enable", "true",
+            "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.group_size", "2",
+            "--fault_tolerance.lighthouse", address, "--fault_tolerance.timeout_s", "20", *extra]
+    return fork_ranks(2, ["-m", "titanlite.train", *args], logs, env), logs
+
+
+def wait_all(procs, logs, timeout: float = LIMIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "".join(Path(f).read_text()[-3000:] for f in logs)
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
+    ref = reference(ARGS)
+    with lighthouse(2) as address:
+        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2"]) for r in range(2)]
+        procs = [p for ps, _ in runs for p in ps]
+        wait_all(procs, [f for _, fs in runs for f in fs])
+    logs = "".join(f.read_text() for _, fs in runs for f in fs)
+    for r in range(2):
+        run = Run(0, "", tmp_path / f"g{r}")
+        assert_parity(ref.losses, run.losses, first_rtol=1e-4)
+        assert_parity([m["grad_norm"] for m in ref.metrics], [m["grad_norm"] for m in run.metrics], first_rtol=1e-4)
+    assert all(p.poll() in (0, -6) for p in procs), logs[-4000:]
+
+
+def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from titanlite.config import load as config_load
+    from titanlite.errors import ConfigError
+
+    on = ["--fault_tolerance.enable", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:1"]
+    cases = [([*on, "--fault_tolerance.replica_id", "2", "--fault_tolerance.group_size", "2"], "need 0 <= replica_id"),
+             ([*on, "--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree 2"),
+             ([*on, "--data.streaming", "true", "--data.path", "tests"], "data.streaming has no sample order"),
+             (["--fault_tolerance.enable", "true"], "needs the lighthouse's address")]
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    for args, says in cases:
+        with pytest.raises(ConfigError, match=says):
+            config_load.load(args)
+    # a restarted group heals from a peer: no checkpoint of its own needed
+    config_load.load([*on, "--fault_tolerance.max_restarts", "1"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs torchft, which is not installed: pip install 'titanlite\[ft\]'"):
+        config_load.load(on)
