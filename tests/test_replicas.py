@@ -91,3 +91,54 @@ def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs torchft, which is not installed: pip install 'titanlite\[ft\]'"):
         config_load.load(on)
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_killed_group_heals_or_stays_down_while_the_other_logs_every_step(tmp_path, restarts):
+    """Group 1 (./run_train.sh, its own torchrun) loses rank 1 at step 3; group 0 never stops.
+    With restarts 1, group 1 is restarted by its own fault_tolerance.max_restarts and heals from
+    group 0 with equal parameters (group 0 sleeps in each step from then on, so that it is still
+    running); with 0, it stays down and group 0 finishes alone. Either way group 0 logs steps 1-30,
+    each loss that of one process on the same global batches, whoever trained them."""
+    from test_launcher import output, run_sh
+
+    args = [*ARGS, "--training.steps", "30"]
+    ref = reference(args)
+    g0, logs = [], []
+    with lighthouse(1) as address:
+        try:
+            # group 1 commits only with group 0 (min_replica_size 2), which starts once group 1 is
+            # up: both train from step 1
+            with run_sh([*args, "--skip-preflight", "--fault_tolerance.enable", "true",
+                         "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
+                         "--fault_tolerance.lighthouse", address, "--fault_tolerance.timeout_s", "20",
+                         "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.max_restarts", str(restarts)],
+                        tmp_path / "g1", env={"TITANLITE_FAULTS": "kill@3:1"}) as (proc, out):
+                deadline = time.monotonic() + LIMIT_S
+                while not any(line.startswith("titanlite: llama3") for line in output(out)):
+                    assert proc.poll() is None and time.monotonic() < deadline, output(out)[-30:]
+                    time.sleep(0.1)
+                g0, logs = group(0, address, tmp_path / "g0", ["--training.steps", "30"],
+                                 env={"TITANLITE_FAULTS": "slow@3"} if restarts else None)
+                code = proc.wait(timeout=LIMIT_S)
+                lines = [line for line in output(out) if "torchft::" not in line]  # the lighthouse's log
+        finally:
+            wait_all(g0, logs)
+    g0_out = "".join(f.read_text() for f in logs)
+    run = Run(0, "", tmp_path / "g0")
+    assert [m["step"] for m in run.metrics] == list(range(1, 31)), g0_out[-3000:]
+    assert_parity(ref.losses, run.losses, first_rtol=1e-4)
+    assert all(p.poll() in (0, -6) for p in g0), g0_out[-3000:]
+    said = "\n".join(lines)
+    if not restarts:
+        assert code == 1 and lines[-1].startswith("titanlite: error: rank 1 was killed by SIGKILL"), said
+        return
+    assert code == 0, said
+    assert any(line.startswith("titanlite: restart 1 of at most 1 after rank 1 ended without a titanlite message")
+               for line in lines), said
+    healed = [line for line in lines if "healed from a live peer" in line]
+    assert len(healed) == 1 and "its parameters equal the quorum's" in healed[0], said
+    # from the heal on, group 1 logs group 0's losses (the quorum's), bit for bit
+    step = int(healed[0].split(" at step ")[1].split(" ")[0])
+    mine = {m["step"]: m["loss"] for m in Run(0, "", tmp_path / "g1").metrics}
+    assert all(mine[s] == run.losses[s - 1] for s in range(step + 1, 31)), (step, mine)

@@ -229,7 +229,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
     if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
-        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=ft is not None)
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
                             dist.get_world_size())

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
 from titanlite.config.job import FaultTolerance
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, RunError
 
 Batch = dict[str, torch.Tensor]
+PRIME = 2**31 - 1  # the parameter fingerprint's modulus
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +61,10 @@ class Replicas:
         self.parts, self.optimizers, self.loader = parts, optimizers, loader
         self.global_batch_size, self.local_batch_size, self.dp_rank, self.dp = (global_batch_size, local_batch_size,
                                                                                dp_rank, dp)
-        self.device = device
+        self.device, self.replica_id = device, f.replica_id
         self.step = start_step
         self.healed_to: int | None = None
-        self.rank, self.size = 0, 1  # this group's rank in the step's quorum, and the quorum's size
+        self.rank, self.size = 0, 0  # this group's rank in the step's quorum, and the quorum's size
         timeout = timedelta(seconds=f.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
 
@@ -91,8 +92,10 @@ class Replicas:
         this group healed)."""
         self.step, self.healed_to = step, None
         self.manager.start_quorum()
-        rank = self.manager.participating_rank()
+        rank, before = self.manager.participating_rank(), self.size
         self.rank, self.size = (0 if rank is None else rank), self.manager.num_participants()
+        if self.size > before:  # a group joined (or this one did): every group must hold the same model
+            self._check_same(self.step if self.healed_to is None else self.healed_to)
         return self.step if self.healed_to is None else self.healed_to
 
     def batches(self, step: int) -> list[Batch]:
@@ -129,6 +132,28 @@ class Replicas:
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def _check_same(self, step: int) -> None:
+        """Refuse to train on if the groups of the quorum hold different parameters (a heal that
+        went wrong would silently average two models): a position-weighted sum of every local
+        parameter's bytes, exact in integers, compared over the quorum through MAX of h and -h."""
+        from torch.distributed import ReduceOp
+
+        h = torch.zeros((), dtype=torch.int64, device=self.device)
+        for part in self.parts:
+            for _, p in sorted(part.named_parameters()):
+                b = _local(p).detach().contiguous().reshape(-1).view(torch.uint8).long()
+                # every term stays below 2**63: h < 2**31, a byte times a weight < 2**24 each
+                h = (h * 1_000_003 + (b * (torch.arange(b.numel(), device=b.device) % 65_521 + 1)).sum()) % PRIME
+        both = torch.stack([h, -h])
+        self.manager.allreduce(both, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() is None and int(both[0]) != -int(both[1]):
+            raise RunError(f"step {step}: the replica groups' parameters differ after {self.size} groups formed a "
+                           f"quorum (fault_tolerance); a heal or a start from different weights: restart every group "
+                           f"from one checkpoint")
+        if self.healed_to is not None and dist.get_rank() == 0:
+            print(f"titanlite: replica group {self.replica_id} healed from a live peer at step {step} (model, "
+                  f"optimizer, schedule, data cursor); its parameters equal the quorum's", flush=True)
 
     def writes_checkpoints(self) -> bool:
         """One group saves: the first of the quorum."""
