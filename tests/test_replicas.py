@@ -79,6 +79,7 @@ def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
     on = ["--fault_tolerance.enable", "true", "--fault_tolerance.lighthouse", "http://127.0.0.1:1"]
     cases = [([*on, "--fault_tolerance.replica_id", "2", "--fault_tolerance.group_size", "2"], "need 0 <= replica_id"),
              ([*on, "--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree 2"),
+             ([*on, "--training.on_spike", "skip"], "do not share the spike window"),
              ([*on, "--data.streaming", "true", "--data.path", "tests"], "data.streaming has no sample order"),
              (["--fault_tolerance.enable", "true"], "needs the lighthouse's address")]
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -324,6 +324,10 @@ def _check_replicas(cfg: JobConfig) -> None:
         if val != 1:
             raise ConfigError(f"fault_tolerance.enable with {key} {val}: replica groups replicate across "
                               "groups, and pipeline stages are not wired to them; set it to 1")
+    if cfg.training.on_spike != "off":
+        # a healed group's spike window would start empty and judge steps unlike its peers'
+        raise ConfigError(f"fault_tolerance.enable with training.on_spike = {cfg.training.on_spike}: replica "
+                          "groups do not share the spike window; set training.on_spike = off")
     if cfg.data.streaming:
         raise ConfigError("fault_tolerance.enable splits each global batch by sample index; data.streaming has "
                           "no sample order: turn streaming off")
