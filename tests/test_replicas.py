@@ -57,9 +57,13 @@ def wait_all(procs, logs, timeout: float = LIMIT_S) -> None:
 
 
 def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
+    """Both groups train every step (min_replica_size 2): each step's loss and gradient norm, in
+    both groups, match one process on the same global batch; group 0 alone writes checkpoints."""
     ref = reference(ARGS)
     with lighthouse(2) as address:
-        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2"]) for r in range(2)]
+        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2",
+                                                       "--checkpoint.enable", "true", "--checkpoint.interval", "5"])
+                for r in range(2)]
         procs = [p for ps, _ in runs for p in ps]
         wait_all(procs, [f for _, fs in runs for f in fs])
     logs = "".join(f.read_text() for _, fs in runs for f in fs)
@@ -68,6 +72,9 @@ def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
         assert_parity(ref.losses, run.losses, first_rtol=1e-4)
         assert_parity([m["grad_norm"] for m in ref.metrics], [m["grad_norm"] for m in run.metrics], first_rtol=1e-4)
     assert all(p.poll() in (0, -6) for p in procs), logs[-4000:]
+    # one group writes the checkpoints: the first of the quorum
+    assert sorted(p.name for p in (tmp_path / "g0" / "checkpoint").iterdir()) == ["step-10", "step-5"]
+    assert not (tmp_path / "g1" / "checkpoint").exists() or not any((tmp_path / "g1" / "checkpoint").iterdir())
 
 
 def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
