@@ -94,7 +94,14 @@ def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
         with pytest.raises(ConfigError, match=says):
             config_load.load(args)
     # a restarted group heals from a peer: no checkpoint of its own needed
-    config_load.load([*on, "--fault_tolerance.max_restarts", "1"])
+    cfg, _ = config_load.load([*on, "--fault_tolerance.max_restarts", "1", "--fault_tolerance.group_size", "2",
+                               "--training.local_batch_size", "4"])
+    from titanlite.preflight import preflight
+
+    # the global batch (4, the default: local x dp) cannot split over a quorum of 2 groups
+    with pytest.raises(ConfigError, match="training.global_batch_size 4 does not split over a quorum of 2 replica "
+                                          "groups x 1 data-parallel ranks x local_batch_size 4"):
+        preflight(cfg, world_size=1)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs torchft, which is not installed: pip install 'titanlite\[ft\]'"):
