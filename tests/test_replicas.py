@@ -87,6 +87,7 @@ def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
     cases = [([*on, "--fault_tolerance.replica_id", "2", "--fault_tolerance.group_size", "2"], "need 0 <= replica_id"),
              ([*on, "--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel_degree 2"),
              ([*on, "--training.on_spike", "skip"], "do not share the spike window"),
+             ([*on, "--fault_tolerance.timeout_s", "100"], r"below comm.train_timeout_s \(100\), got 100"),
              ([*on, "--data.streaming", "true", "--data.path", "tests"], "data.streaming has no sample order"),
              (["--fault_tolerance.enable", "true"], "needs the lighthouse's address")]
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)

@@ -316,8 +316,10 @@ def _check_replicas(cfg: JobConfig) -> None:
         raise ConfigError(f"fault_tolerance: need 0 <= replica_id < group_size and 1 <= min_replica_size <= "
                           f"group_size, got replica_id {f.replica_id}, group_size {f.group_size}, "
                           f"min_replica_size {f.min_replica_size}")
-    if not f.timeout_s > 0:
-        raise ConfigError(f"fault_tolerance.timeout_s must be > 0, got {f.timeout_s}")
+    if not 0 < f.timeout_s < cfg.comm.train_timeout_s:
+        # a group waiting on a hung peer must give up on it before its own watchdog ends it
+        raise ConfigError(f"fault_tolerance.timeout_s must be > 0 and below comm.train_timeout_s "
+                          f"({cfg.comm.train_timeout_s}), got {f.timeout_s}")
     # the groups are the replicate dimension; each group's steps draw rows by sample index
     for key, val in [("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
                      ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree)]:
