@@ -7,7 +7,7 @@ train it or one."""
 from __future__ import annotations
 
 import contextlib
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -75,6 +75,18 @@ def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
     # one group writes the checkpoints: the first of the quorum
     assert sorted(p.name for p in (tmp_path / "g0" / "checkpoint").iterdir()) == ["step-10", "step-5"]
     assert not (tmp_path / "g1" / "checkpoint").exists() or not any((tmp_path / "g1" / "checkpoint").iterdir())
+    # a whole-job restart: group 0 resumes from its step-5, group 1 (no checkpoint) heals from it
+    shutil.rmtree(tmp_path / "g0" / "checkpoint" / "step-10")
+    with lighthouse(2) as address:
+        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2",
+                                                       "--checkpoint.enable", "true", "--checkpoint.interval", "5"])
+                for r in range(2)]
+        wait_all([p for ps, _ in runs for p in ps], [f for _, fs in runs for f in fs])
+    again = "".join(f.read_text() for _, fs in runs for f in fs)
+    assert "healed from a live peer at step 5" in again, again[-3000:]
+    for r in range(2):
+        resumed = {m["step"]: m["loss"] for m in Run(0, "", tmp_path / f"g{r}").metrics}  # later rows win
+        assert_parity(ref.losses, [resumed[s] for s in range(1, 11)], first_rtol=1e-4)
 
 
 def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
