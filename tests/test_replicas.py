@@ -157,6 +157,7 @@ def test_a_killed_group_heals_or_stays_down_while_the_other_logs_every_step(tmp_
     assert [m["step"] for m in run.metrics] == list(range(1, 31)), g0_out[-3000:]
     assert_parity(ref.losses, run.losses, first_rtol=1e-4)
     assert all(p.poll() in (0, -6) for p in g0), g0_out[-3000:]
+    assert "titanlite: step 3: 1 replica group(s) in the quorum (was 2)" in g0_out, g0_out[-3000:]
     said = "\n".join(lines)
     if not restarts:
         assert code == 1 and lines[-1].startswith("titanlite: error: rank 1 was killed by SIGKILL"), said

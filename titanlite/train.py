@@ -239,7 +239,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     step = start_step
     while step < t.steps:
-        step = step if ft is None else ft.begin(step)  # the quorum; a group behind heals from a peer
+        step = step if ft is None else ft.begin(step, throughput)  # the quorum; a group behind heals from a peer
         step += 1
         guard.start_step(step)
         profiler.step_begin(step)

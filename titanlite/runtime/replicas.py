@@ -15,6 +15,7 @@ gradient of one trained by all groups: no sample is lost or repeated.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -87,16 +88,24 @@ class Replicas:
 
     # -- one step --
 
-    def begin(self, step: int) -> int:
+    def begin(self, step: int, throughput: Any) -> int:
         """The quorum for the step after `step`; returns the step to continue from (a peer's, if
-        this group healed)."""
+        this group healed). `throughput` (titanlite.metrics.Throughput) counts the devices of
+        the quorum, which share the global batch, and restarts its clock at a heal."""
         self.step, self.healed_to = step, None
         self.manager.start_quorum()
         rank, before = self.manager.participating_rank(), self.size
         self.rank, self.size = (0 if rank is None else rank), self.manager.num_participants()
+        step = self.step if self.healed_to is None else self.healed_to
         if self.size > before:  # a group joined (or this one did): every group must hold the same model
-            self._check_same(self.step if self.healed_to is None else self.healed_to)
-        return self.step if self.healed_to is None else self.healed_to
+            self._check_same(step)
+        if self.size != before and before and dist.get_rank() == 0:
+            print(f"titanlite: step {step + 1}: {self.size} replica group(s) in the quorum (was {before})", flush=True)
+        throughput.world_size = dist.get_world_size() * self.size
+        if self.healed_to is not None:
+            throughput.start_step = throughput.last_step = step
+            throughput.start = throughput.last = time.perf_counter()
+        return step
 
     def batches(self, step: int) -> list[Batch]:
         """This rank's micro-batches of global batch `step`: its group's share by quorum rank, then
