@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import TINY, Run, assert_parity, fork_ranks, reference
 
@@ -58,11 +59,14 @@ def wait_all(procs, logs, timeout: float = LIMIT_S) -> None:
 
 def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
     """Both groups train every step (min_replica_size 2): each step's loss and gradient norm, in
-    both groups, match one process on the same global batch; group 0 alone writes checkpoints."""
-    ref = reference(ARGS)
+    both groups, and every parameter after 10 steps (so every gradient), match one process on
+    the same global batches; group 0 alone writes checkpoints."""
+    from titanlite.checkpoint.dcp import load_tensors
+
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    ref = reference([*ARGS, *ckpt])
     with lighthouse(2) as address:
-        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2",
-                                                       "--checkpoint.enable", "true", "--checkpoint.interval", "5"])
+        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2", *ckpt])
                 for r in range(2)]
         procs = [p for ps, _ in runs for p in ps]
         wait_all(procs, [f for _, fs in runs for f in fs])
@@ -72,14 +76,17 @@ def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
         assert_parity(ref.losses, run.losses, first_rtol=1e-4)
         assert_parity([m["grad_norm"] for m in ref.metrics], [m["grad_norm"] for m in run.metrics], first_rtol=1e-4)
     assert all(p.poll() in (0, -6) for p in procs), logs[-4000:]
+    want, got = load_tensors(ref.dump / "checkpoint" / "step-10"), load_tensors(tmp_path / "g0" / "checkpoint" / "step-10")
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
     # one group writes the checkpoints: the first of the quorum
     assert sorted(p.name for p in (tmp_path / "g0" / "checkpoint").iterdir()) == ["step-10", "step-5"]
     assert not (tmp_path / "g1" / "checkpoint").exists() or not any((tmp_path / "g1" / "checkpoint").iterdir())
     # a whole-job restart: group 0 resumes from its step-5, group 1 (no checkpoint) heals from it
     shutil.rmtree(tmp_path / "g0" / "checkpoint" / "step-10")
     with lighthouse(2) as address:
-        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2",
-                                                       "--checkpoint.enable", "true", "--checkpoint.interval", "5"])
+        runs = [group(r, address, tmp_path / f"g{r}", ["--fault_tolerance.min_replica_size", "2", *ckpt])
                 for r in range(2)]
         wait_all([p for ps, _ in runs for p in ps], [f for _, fs in runs for f in fs])
     again = "".join(f.read_text() for _, fs in runs for f in fs)
