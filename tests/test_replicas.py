@@ -35,13 +35,14 @@ def lighthouse(min_replicas: int):
         server.shutdown()
 
 
-def group(replica_id: int, address: str, dump: Path, extra: list[str] = (), env: dict | None = None):
+def group(replica_id: int, address: str, dump: Path, extra: list[str] = (), env: dict | None = None,
+          nproc: int = 2):
     """One replica group of 2 ranks, as its own torchrun would start it (a port of its own)."""
-    logs = [dump.parent / f"{dump.name}-rank{r}.log" for r in range(2)]
+    logs = [dump.parent / f"{dump.name}-rank{r}.log" for r in range(nproc)]
     args = [*ARGS, "--job.dump_folder", str(dump), "--fault_tolerance.enable", "true",
             "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.group_size", "2",
             "--fault_tolerance.lighthouse", address, "--fault_tolerance.timeout_s", "20", *extra]
-    return fork_ranks(2, ["-m", "titanlite.train", *args], logs, env), logs
+    return fork_ranks(nproc, ["-m", "titanlite.train", *args], logs, env), logs
 
 
 def wait_all(procs, logs, timeout: float = LIMIT_S) -> None:
@@ -178,3 +179,17 @@ def test_a_killed_group_heals_or_stays_down_while_the_other_logs_every_step(tmp_
     step = int(healed[0].split(" at step ")[1].split(" ")[0])
     mine = {m["step"]: m["loss"] for m in Run(0, "", tmp_path / "g1").metrics}
     assert all(mine[s] == run.losses[s - 1] for s in range(step + 1, 31)), (step, mine)
+
+
+def test_more_groups_than_group_size_are_refused(tmp_path):
+    """Two groups that both say replica_id 0 of group_size 1 (one forgot to change it): the
+    split was checked for one group only, so neither trains a step."""
+    with lighthouse(2) as address:
+        runs = [group(0, address, tmp_path / f"g{r}", ["--fault_tolerance.group_size", "1"], nproc=1)
+                for r in range(2)]
+        wait_all([p for ps, _ in runs for p in ps], [f for _, fs in runs for f in fs])
+    for r, (ps, fs) in enumerate(runs):
+        out = fs[0].read_text()
+        assert ps[0].poll() == 1 and ("titanlite: error: step 1: 2 replica groups joined the quorum, but "
+                                      "fault_tolerance.group_size is 1") in out, out[-3000:]
+        assert not Run(0, "", tmp_path / f"g{r}").metrics

@@ -62,7 +62,7 @@ class Replicas:
         self.parts, self.optimizers, self.loader = parts, optimizers, loader
         self.global_batch_size, self.local_batch_size, self.dp_rank, self.dp = (global_batch_size, local_batch_size,
                                                                                dp_rank, dp)
-        self.device, self.replica_id = device, f.replica_id
+        self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
         self.step = start_step
         self.healed_to: int | None = None
         self.rank, self.size = 0, 0  # this group's rank in the step's quorum, and the quorum's size
@@ -97,6 +97,10 @@ class Replicas:
         rank, before = self.manager.participating_rank(), self.size
         self.rank, self.size = (0 if rank is None else rank), self.manager.num_participants()
         step = self.step if self.healed_to is None else self.healed_to
+        if self.size > self.group_size:  # check_split vouched for quorums up to group_size only
+            raise RunError(f"step {step + 1}: {self.size} replica groups joined the quorum, but "
+                           f"fault_tolerance.group_size is {self.group_size}; give every group the same group_size "
+                           f"and its own replica_id below it")
         if self.size > before:  # a group joined (or this one did): every group must hold the same model
             self._check_same(step)
         if self.size != before and before and dist.get_rank() == 0:
