@@ -193,3 +193,13 @@ def test_more_groups_than_group_size_are_refused(tmp_path):
         assert ps[0].poll() == 1 and ("titanlite: error: step 1: 2 replica groups joined the quorum, but "
                                       "fault_tolerance.group_size is 1") in out, out[-3000:]
         assert not Run(0, "", tmp_path / f"g{r}").metrics
+
+
+def test_the_per_step_cost_of_replica_groups_in_docs_scaling():
+    """docs/scaling.md's figure: llama_70b's fp32 gradient shard on 64 GPUs, 16 groups of H100s."""
+    from titanlite.dryrun.hardware import get_gpu
+    from titanlite.dryrun.timing import replica_step_seconds
+
+    h100 = get_gpu("h100")
+    assert replica_step_seconds(1e9, 1, h100) == 0.0
+    assert round(replica_step_seconds(70.6e9 / 64 * 4, 16, h100), 3) == 0.234
