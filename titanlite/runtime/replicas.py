@@ -55,6 +55,8 @@ class Replicas:
     def __init__(self, f: FaultTolerance, parts: list[nn.Module], optimizers: Any, loader: Any,
                  global_batch_size: int, local_batch_size: int, dp_rank: int, dp: int, device: torch.device,
                  start_step: int) -> None:
+        # torchft's Rust side logs about 8 INFO lines a step to the terminal; RUST_LOG=info brings them back
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
