@@ -131,7 +131,10 @@ class Replicas:
     def sync(self, params: list[torch.Tensor], sums: list[torch.Tensor]) -> bool:
         """Sum the gradients and `sums` (loss sums, for logging) over the quorum; True if the step
         may be applied, False if it must be retried on the same batch (a group left or failed)."""
-        self._sum([p.grad for p in params if p.grad is not None] + sums)
+        for p in params:
+            if p.grad is None:  # unused by this group's rows: every group must send the same tensors
+                p.grad = torch.zeros_like(p)
+        self._sum([p.grad for p in params] + sums)
         return self.manager.should_commit()
 
     def _sum(self, tensors: list[torch.Tensor]) -> None:
