@@ -14,7 +14,7 @@ the gradients after the step).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +68,17 @@ class Update:
     hooks: list
     """Post-step hooks, each called with the verdict's device flag; each may return scalars to
     log (device tensors, read only when logged)."""
+    across: Callable[[list[nn.Parameter], list[torch.Tensor]], bool] | None = None
+    """Replica groups (titanlite.runtime.replicas.Replicas.sync): sums the gradients and the
+    given loss sums over the step's quorum; False when the quorum changed mid-step."""
 
     @classmethod
     def of(cls, parts: list[nn.Module], step: PlainStep | PipelineStep, stage_ranks: Sequence[int], max_norm: float,
-           optimizers: Optimizers, hooks: list) -> Update:
+           optimizers: Optimizers, hooks: list,
+           across: Callable[[list[nn.Parameter], list[torch.Tensor]], bool] | None = None) -> Update:
         params = [p for part in parts for p in part.parameters()]
         norm_params = [p for p in params if all(p is not m for m in step.mirrors)]
-        return cls(params, norm_params, stage_ranks, max_norm, optimizers, hooks)
+        return cls(params, norm_params, stage_ranks, max_norm, optimizers, hooks, across)
 
 
 @dataclass
@@ -86,10 +90,14 @@ class StepResult:
     """What the post-step hooks returned to log."""
 
 
-def one_step(step: PlainStep | PipelineStep, batches: list[Batch], update: Update, referee: Referee) -> StepResult:
-    """One optimizer step of `step` on this rank's micro-batches `batches`."""
+def one_step(step: PlainStep | PipelineStep, batches: list[Batch], update: Update,
+             referee: Referee) -> StepResult | None:
+    """One optimizer step of `step` on this rank's micro-batches `batches`; None, and nothing
+    updated, when the replica groups' quorum changed during it (the caller retries the batch)."""
     out = step(batches)
     referee.reduce_grads(update.params)
+    if update.across is not None and not update.across(update.params, [out.loss_sum, *out.extra_losses.values()]):
+        return None
     grad_norm, votes = global_norm(referee.local_grad_sq(update.norm_params, update.stage_ranks), referee.votes(out))
     verdict = referee.verdict(grad_norm, votes)
     clip_grads(update.params, update.max_norm, grad_norm)

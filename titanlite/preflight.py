@@ -26,6 +26,7 @@ from titanlite.parallel.mesh import ParallelDims, pick_device
 from titanlite.parallel.pipeline import (SPLIT_BACKWARD, StagePlan, plan_stages, split_backward_through_custom_functions,
                                          tied_names)
 from titanlite.parallel.tensor import check_decoder_tp
+from titanlite.runtime.replicas import check_split
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
 
@@ -53,6 +54,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     t = cfg.training
     preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
                    t.local_batch_size, plan.dims.dp)
+    if cfg.fault_tolerance.enable:
+        check_split(cfg.fault_tolerance, plan.global_batch_size, t.local_batch_size, plan.dims.dp)
     return plan
 
 

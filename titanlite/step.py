@@ -60,6 +60,8 @@ class PlainStep:
     mirrors: tuple[nn.Parameter, ...] = ()
     """Parameters that copy another one held elsewhere (a pipeline stage's tied weight): the
     gradient norm counts them once, through the original."""
+    across: Callable[[torch.Tensor], None] | None = None
+    """Sums the target count over the replica groups of the step's quorum, in place (torchft)."""
     extra: ExtraLosses = field(default_factory=ExtraLosses)
 
     def __post_init__(self) -> None:
@@ -75,6 +77,8 @@ class PlainStep:
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)
+        if self.across is not None:
+            self.across(n_targets)
         loss_sum = torch.zeros((), device=n_targets.device)
         with self.extra.collect(n_targets) as extra:
             for batch in batches:

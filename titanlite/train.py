@@ -44,6 +44,7 @@ from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.profiling import Profiler
+from titanlite.runtime.replicas import Replicas
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.step import PlainStep, StepOutput
 
@@ -73,7 +74,8 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device: torch.device, loss_fn: LossFn) -> PlainStep | pipeline.PipelineStep:
+               device: torch.device, loss_fn: LossFn, replicas: Replicas | None = None
+               ) -> PlainStep | pipeline.PipelineStep:
     """The step object for this layout (train.py and the dry run pick it the same way);
     `loss_fn`: titanlite.loss.build_loss_fn's, or that wrapped (fault injection)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
@@ -82,7 +84,8 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast)
+        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast,
+                         across=None if replicas is None else replicas.count)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
@@ -226,15 +229,18 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
         ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
+    ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
+                   dp_rank, dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
-                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)))
+                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
-    update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks)
+    update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
+                       None if ft is None else ft.sync)
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
@@ -245,7 +251,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
     if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
-        restart.record(cfg.job.dump_folder, start_step, metrics.writer)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=ft is not None)
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
                             dist.get_world_size())
@@ -257,11 +263,17 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     step = start_step
     while step < t.steps:
+        step = step if ft is None else ft.begin(step, throughput)  # the quorum; a group behind heals from a peer
         step += 1
         guard.start_step(step)
         profiler.step_begin(step)
         lr = optimizers.lr
-        result = one_step(train_step, [prepare(next(data_iter)) for _ in range(accum)], update, referee)
+        batches = [next(data_iter) for _ in range(accum)] if ft is None else ft.batches(step)
+        result = one_step(train_step, [prepare(b) for b in batches], update, referee)
+        if result is None:  # replica groups: a group left or failed mid-step; the same batch again
+            optimizers.zero_grad()
+            step -= 1
+            continue
         optimizers.step_schedule()
         optimizers.zero_grad()
         gc_control.maybe_collect(step, t.gc_freq)
@@ -272,7 +284,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             throughput.last, throughput.last_step = time.perf_counter(), step
             continue
         guard.phase("checkpoint save")
-        ckpt.maybe_save(step, force=verdict.stop)
+        if ft is None or ft.writes_checkpoints():
+            ckpt.maybe_save(step, force=verdict.stop)
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             guard.phase("logging")
             losses = reduce_losses(result.out.loss_sum, result.out.extra_losses, result.out.n_targets,
@@ -298,6 +311,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     guard.phase("checkpoint save")  # the last save may still be writing
     ckpt.close()
     guard.close()
+    if ft is not None:
+        ft.close()
     metrics.close()
     finish(cfg.job.dump_folder, guard)
     return stop_line

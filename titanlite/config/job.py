@@ -221,7 +221,24 @@ class FaultTolerance:
     """After a rank fails (a crash, a kill, a failed collective, a hang: exit 1 or 124; never a
     bad config), run_train.sh's torchrun restarts every rank up to this many times, and the run
     resumes from the newest checkpoint that loads (needs checkpoint.enable). Each restart is a
-    line, a row of <dump_folder>/restarts.jsonl and the TensorBoard scalar train/restarts."""
+    line, a row of <dump_folder>/restarts.jsonl and the TensorBoard scalar train/restarts.
+    With enable, a restarted group heals from a live peer instead (no checkpoint needed)."""
+    enable: bool = False
+    """Replica groups (torchft, `pip install 'titanlite[ft]'`): this launch is one group of
+    group_size; the groups average gradients through torchft per step, each step's global
+    batch split over the groups in that step's quorum. A group that fails drops out and the
+    others go on; a restarted one heals from a live peer (docs/reliability.md)."""
+    replica_id: int = 0
+    """This group's number, 0 .. group_size - 1 (one ./run_train.sh per group)."""
+    group_size: int = 1
+    """The number of replica groups the job was started with."""
+    min_replica_size: int = 1
+    """A step commits only with at least this many groups in its quorum (else it is retried)."""
+    lighthouse: str = ""
+    """The torchft lighthouse's address (http://host:port); empty: the TORCHFT_LIGHTHOUSE
+    environment variable."""
+    timeout_s: float = 60.0
+    """torchft's quorum and collective timeout: how long the groups wait for each other."""
 
 
 @dataclass(frozen=True)

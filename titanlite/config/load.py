@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -293,17 +294,52 @@ def check_config(cfg: JobConfig) -> None:
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
-    _check_restarts(cfg.fault_tolerance.max_restarts, c)
+    _check_replicas(cfg)
+    _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
 
 
-def _check_restarts(max_restarts: int, c: Checkpoint) -> None:
+def _check_replicas(cfg: JobConfig) -> None:
+    """Replica groups (fault_tolerance.enable): torchft installed, a lighthouse, a consistent group."""
+    f, p = cfg.fault_tolerance, cfg.parallelism
+    if not f.enable:
+        return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("fault_tolerance.enable needs torchft, which is not installed: pip install 'titanlite[ft]'")
+    if not f.lighthouse and not os.environ.get("TORCHFT_LIGHTHOUSE"):
+        raise ConfigError("fault_tolerance.enable needs the lighthouse's address: set fault_tolerance.lighthouse "
+                          "or TORCHFT_LIGHTHOUSE (http://host:port; docs/reliability.md)")
+    if not (f.group_size >= 1 and 0 <= f.replica_id < f.group_size and 1 <= f.min_replica_size <= f.group_size):
+        raise ConfigError(f"fault_tolerance: need 0 <= replica_id < group_size and 1 <= min_replica_size <= "
+                          f"group_size, got replica_id {f.replica_id}, group_size {f.group_size}, "
+                          f"min_replica_size {f.min_replica_size}")
+    if not 0 < f.timeout_s < cfg.comm.train_timeout_s:
+        # a group waiting on a hung peer must give up on it before its own watchdog ends it
+        raise ConfigError(f"fault_tolerance.timeout_s must be > 0 and below comm.train_timeout_s "
+                          f"({cfg.comm.train_timeout_s}), got {f.timeout_s}")
+    # the groups are the replicate dimension; each group's steps draw rows by sample index
+    for key, val in [("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree),
+                     ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree)]:
+        if val != 1:
+            raise ConfigError(f"fault_tolerance.enable with {key} {val}: replica groups replicate across "
+                              "groups, and pipeline stages are not wired to them; set it to 1")
+    if cfg.training.on_spike != "off":
+        # a healed group's spike window would start empty and judge steps unlike its peers'
+        raise ConfigError(f"fault_tolerance.enable with training.on_spike = {cfg.training.on_spike}: replica "
+                          "groups do not share the spike window; set training.on_spike = off")
+    if cfg.data.streaming:
+        raise ConfigError("fault_tolerance.enable splits each global batch by sample index; data.streaming has "
+                          "no sample order: turn streaming off")
+
+
+def _check_restarts(max_restarts: int, c: Checkpoint, replicas: bool = False) -> None:
     if max_restarts < 0:
         raise ConfigError(f"fault_tolerance.max_restarts must be >= 0, got {max_restarts}")
-    if max_restarts and not c.enable:
+    # a replica group restarted by torchrun heals from a live peer, not from its own checkpoint
+    if max_restarts and not c.enable and not replicas:
         raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} needs checkpoint.enable = true: a restart "
                           "resumes from the newest checkpoint, and without one would start over")
     if max_restarts and c.load_step != -1:

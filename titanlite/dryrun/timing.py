@@ -132,3 +132,19 @@ def step_times(tr, n: int, period: int, gpu: GPU, compiled: bool = False) -> Ste
     cb, ob = compute_seconds(tr.block_ops, gpu, compiled) / period, comm_s(tr.block_comms, True) / period
     return StepTimes(cb, compute_seconds(tr.ops, gpu) - n * eager_block, ob, comm_s(tr.comms, True) - n * ob,
                      comm_s(tr.comms, False), comm_s(tr.block_comms, True, edge=True) / period, n)
+
+
+QUORUM_S = 0.05
+"""A replica group's per-step round trip to torchft's lighthouse and its peers' managers (quorum,
+should_commit): an assumption, not measured on a cluster (about 1 ms on one CPU machine)."""
+
+
+def replica_step_seconds(grad_bytes_per_rank: float, groups: int, gpu: GPU) -> float:
+    """What replica groups (fault_tolerance.enable, titanlite.runtime.replicas) add to each step
+    on `gpu`: the quorum's round trip and one all-reduce of every rank's gradient shard with the
+    same rank of the other groups (a ring across nodes, one rank per node), after the backward
+    and not overlapped with it. Not yet part of the dry run's prediction (docs/scaling.md uses it)."""
+    if groups <= 1:
+        return 0.0
+    ranks = tuple(range(0, groups * gpu.gpus_per_node, gpu.gpus_per_node))
+    return QUORUM_S + comm_seconds("all_reduce", grad_bytes_per_rank, 1, ranks, gpu)

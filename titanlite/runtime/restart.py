@@ -48,14 +48,16 @@ def failure_cause(reports: dict[int, dict], ranks: range) -> tuple[int | None, s
     return None, "a rank on another node failed (its node's launcher output names it)"
 
 
-def record(dump_folder: str, resumed_from: int, tensorboard: Any | None) -> None:
+def record(dump_folder: str, resumed_from: int, tensorboard: Any | None, heals: bool = False) -> None:
     """On rank 0 of a restarted attempt: the restart's line, its restarts.jsonl row and the
-    train/restarts scalar (at the step it resumes from)."""
+    train/restarts scalar (at the step it resumes from). `heals`: a replica group, which takes
+    a live peer's state at its first step (titanlite.runtime.replicas)."""
     k = attempt()
     folder = attempt_folder(k - 1)
     rank, cause = failure_cause(read_reports(folder) if folder else {}, _node_ranks())
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    start = f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)"
+    start = (f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)") + (
+        ", then healing from a live replica group" if heals else "")
     print(f"titanlite: restart {k} of at most {limit} after {cause}; resuming from {start}", flush=True)
     row = {"restart": k, "max_restarts": int(limit) if limit.isdigit() else None, "rank": rank, "cause": cause,
            "resumed_from": resumed_from, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,229 @@
+"""Replica groups through torchft (fault_tolerance.enable): the groups are the data-parallel
+replicate dimension, each its own torchrun job, joined per step by torchft's Manager.
+
+Each step (`begin`) asks the lighthouse for a quorum: the groups alive now. A group that is behind
+(restarted, or new) heals first: it receives model, optimizer, schedule, step and data cursor from
+a live peer (`_state` / `_load`, through torchft's HTTP checkpoint transport, each rank from the
+same rank of the peer, so FSDP shards match). The step's global batch is then split over the
+groups of the quorum by their rank in it (`batches`), the target-token count and the gradients
+are summed over the quorum (`count`, `sync`), and the optimizer steps only if every group of the
+quorum still agrees (`should_commit`); otherwise the step is retried on the same batch. The loss
+is a sum over target tokens divided by the global count, so a step trained by any quorum has the
+gradient of one trained by all groups: no sample is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import default_collate
+
+from titanlite.config.job import FaultTolerance
+from titanlite.errors import ConfigError, RunError
+
+Batch = dict[str, torch.Tensor]
+PRIME = 2**31 - 1  # the parameter fingerprint's modulus
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (its shard of a DTensor); writes to it write to `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_split(f: FaultTolerance, global_batch_size: int, local_batch_size: int, dp: int) -> None:
+    """Every quorum from min_replica_size to group_size groups splits the global batch into whole
+    micro-batches of the same count on each rank (FSDP runs one collective per micro-batch)."""
+    for q in range(f.min_replica_size, f.group_size + 1):
+        if global_batch_size % (q * dp * local_batch_size):
+            raise ConfigError(f"training.global_batch_size {global_batch_size} does not split over a quorum of {q} "
+                              f"replica groups x {dp} data-parallel ranks x local_batch_size {local_batch_size}; make "
+                              f"it a multiple of each (or raise fault_tolerance.min_replica_size)")
+
+
+class Replicas:
+    """This rank's view of the replica groups; every rank of a group makes the same calls.
+    `optimizers`: titanlite.optim.Optimizers (runtime sits beside optim, not above it);
+    `loader`: the training StatefulDataLoader (its data set and skipped ranges)."""
+
+    def __init__(self, f: FaultTolerance, parts: list[nn.Module], optimizers: Any, loader: Any,
+                 global_batch_size: int, local_batch_size: int, dp_rank: int, dp: int, device: torch.device,
+                 start_step: int) -> None:
+        # torchft's Rust side logs about 8 INFO lines a step to the terminal; RUST_LOG=info brings them back
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        check_split(f, global_batch_size, local_batch_size, dp)
+        self.parts, self.optimizers, self.loader = parts, optimizers, loader
+        self.global_batch_size, self.local_batch_size, self.dp_rank, self.dp = (global_batch_size, local_batch_size,
+                                                                               dp_rank, dp)
+        self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
+        self.step = start_step
+        self.healed_to: int | None = None
+        self.rank, self.size = 0, 0  # this group's rank in the step's quorum, and the quorum's size
+        timeout = timedelta(seconds=f.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+        def make() -> Any:
+            # synchronous quorum: a healing group loads its peer's state before the step's forward,
+            # and takes part in that very step
+            return Manager(pg=pg, load_state_dict=self._load, state_dict=self._state,
+                           min_replica_size=f.min_replica_size, use_async_quorum=False, init_sync=False,
+                           timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                           rank=dist.get_rank(), world_size=dist.get_world_size(),
+                           lighthouse_addr=f.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+                           replica_id=f"titanlite_{f.replica_id}")
+
+        # rank 0 publishes its manager's address in torchrun's store, which outlives a restarted
+        # attempt: the others read it only once this attempt's is there
+        self.manager = make() if dist.get_rank() == 0 else None
+        dist.barrier()
+        self.manager = self.manager or make()
+        self.manager.load_state_dict({"step": start_step, "batches_committed": 0})
+
+    # -- one step --
+
+    def begin(self, step: int, throughput: Any) -> int:
+        """The quorum for the step after `step`; returns the step to continue from (a peer's, if
+        this group healed). `throughput` (titanlite.metrics.Throughput) counts the devices of
+        the quorum, which share the global batch, and restarts its clock at a heal."""
+        self.step, self.healed_to = step, None
+        self.manager.start_quorum()
+        rank, before = self.manager.participating_rank(), self.size
+        self.rank, self.size = (0 if rank is None else rank), self.manager.num_participants()
+        step = self.step if self.healed_to is None else self.healed_to
+        if self.size > self.group_size:  # check_split vouched for quorums up to group_size only
+            raise RunError(f"step {step + 1}: {self.size} replica groups joined the quorum, but "
+                           f"fault_tolerance.group_size is {self.group_size}; give every group the same group_size "
+                           f"and its own replica_id below it")
+        if self.size > before:  # a group joined (or this one did): every group must hold the same model
+            self._check_same(step)
+        if self.size != before and before and dist.get_rank() == 0:
+            print(f"titanlite: step {step + 1}: {self.size} replica group(s) in the quorum (was {before})", flush=True)
+        throughput.world_size = dist.get_world_size() * self.size
+        if self.healed_to is not None:
+            throughput.start_step = throughput.last_step = step
+            throughput.start = throughput.last = time.perf_counter()
+        return step
+
+    def batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of global batch `step`: its group's share by quorum rank, then
+        its own share within the group."""
+        G, L = self.global_batch_size, self.local_batch_size
+        share = G // self.size
+        first = (self.loader.batch_sampler.read_batch(step - 1) * G + self.rank * share
+                 + self.dp_rank * (share // self.dp))
+        data = self.loader.dataset
+        return [default_collate([data[g] for g in range(start, start + L)])
+                for start in range(first, first + share // self.dp, L)]
+
+    def count(self, n_targets: torch.Tensor) -> None:
+        """The target-token count summed over the quorum, in place (the group's is summed already)."""
+        self._sum([n_targets])
+
+    def sync(self, params: list[torch.Tensor], sums: list[torch.Tensor]) -> bool:
+        """Sum the gradients and `sums` (loss sums, for logging) over the quorum; True if the step
+        may be applied, False if it must be retried on the same batch (a group left or failed)."""
+        for p in params:
+            if p.grad is None:  # unused by this group's rows: every group must send the same tensors
+                p.grad = torch.zeros_like(p)
+        self._sum([p.grad for p in params] + sums)
+        return self.manager.should_commit()
+
+    def _sum(self, tensors: list[torch.Tensor]) -> None:
+        from torch.distributed import ReduceOp
+
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(_local(t))
+        for group in by_dtype.values():  # one collective per dtype
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _check_same(self, step: int) -> None:
+        """Refuse to train on if the groups of the quorum hold different parameters (a heal that
+        went wrong would silently average two models): a position-weighted sum of every local
+        parameter's bytes, exact in integers, compared over the quorum through MAX of h and -h."""
+        from torch.distributed import ReduceOp
+
+        h = torch.zeros((), dtype=torch.int64, device=self.device)
+        for part in self.parts:
+            for _, p in sorted(part.named_parameters()):
+                b = _local(p).detach().contiguous().reshape(-1).view(torch.uint8).long()
+                # every term stays below 2**63: h < 2**31, a byte times a weight < 2**24 each
+                h = (h * 1_000_003 + (b * (torch.arange(b.numel(), device=b.device) % 65_521 + 1)).sum()) % PRIME
+        both = torch.stack([h, -h])
+        self.manager.allreduce(both, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() is None and int(both[0]) != -int(both[1]):
+            raise RunError(f"step {step}: the replica groups' parameters differ after {self.size} groups formed a "
+                           f"quorum (fault_tolerance); a heal or a start from different weights: restart every group "
+                           f"from one checkpoint")
+        if self.healed_to is not None and dist.get_rank() == 0:
+            print(f"titanlite: replica group {self.replica_id} healed from a live peer at step {step} (model, "
+                  f"optimizer, schedule, data cursor); its parameters equal the quorum's", flush=True)
+
+    def writes_checkpoints(self) -> bool:
+        """One group saves: the first of the quorum."""
+        return self.rank == 0
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # -- healing --
+
+    def _named(self) -> list[tuple[int, tuple[nn.Module, torch.optim.Optimizer]]]:
+        o = self.optimizers
+        return list(enumerate(zip(o.parts, o.optimizers)))
+
+    def _state(self) -> dict[str, Any]:
+        """What a healing peer's same rank needs, as plain local tensors (its shards match ours)."""
+        model = {n: _local(p).detach() for part in self.parts for n, p in part.named_parameters()}
+        optim, groups = {}, []
+        for i, (part, opt) in self._named():
+            names = {p: n for n, p in part.named_parameters()}
+            for p, st in opt.state.items():
+                optim[f"{i}/{names[p]}"] = {k: (_local(v).detach(), isinstance(v, DTensor), str(v.device))
+                                            if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            groups.append([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+        sched = [s.state_dict() for s in self.optimizers.schedulers]
+        for s in sched:
+            s.pop("lr_lambdas", None)  # rebuilt from the config
+        return {"model": model, "optim": optim, "param_groups": groups, "schedulers": sched, "step": self.step,
+                "skip": self.loader.batch_sampler.skip, "rng": torch.get_rng_state()}
+
+    def _load(self, sd: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for part in self.parts:
+                for n, p in part.named_parameters():
+                    _local(p).copy_(sd["model"][n])
+            for i, (part, opt) in self._named():
+                for n, p in part.named_parameters():
+                    if (st := sd["optim"].get(f"{i}/{n}")) is not None:
+                        opt.state[p] = {k: self._tensor(p, v) if isinstance(v, tuple) else v for k, v in st.items()}
+                for g, saved in zip(opt.param_groups, sd["param_groups"][i]):
+                    g.update(saved)
+        for s, saved in zip(self.optimizers.schedulers, sd["schedulers"]):
+            s.load_state_dict({**s.state_dict(), **saved})
+        self.loader.batch_sampler.set_skip(sd["skip"])
+        torch.set_rng_state(sd["rng"])
+        self.healed_to = sd["step"]
+
+    @staticmethod
+    def _tensor(p: torch.Tensor, saved: tuple[torch.Tensor, bool, str]) -> torch.Tensor:
+        local, sharded, device = saved
+        local = local.to(device)
+        if not sharded:
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
