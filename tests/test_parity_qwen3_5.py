@@ -1,7 +1,8 @@
 """Qwen3.5 (hybrid linear attention) under each parallelism reproduces one process: every
 gradient and Muon update of one step (FSDP x TP with and without sequence parallel, HSDP,
-pipeline stages; the MoE flavor under EP), and a 10-step training run with packed documents
-under FSDP x TP with activation checkpointing, resumed bitwise from its step-5 checkpoint.
+pipeline stages, context parallel with FSDP and with TP on packed documents; the MoE flavor
+under EP), and a 10-step training run with packed documents under context parallel x TP with
+activation checkpointing, resumed bitwise from its step-5 checkpoint.
 A compiled block: tests/test_linear_attention.py."""
 
 import json
@@ -12,13 +13,13 @@ from harness import TINY, assert_grad_parity, assert_parity, reference, train
 
 QWEN3_5 = [*TINY, "--model.name", "qwen3_5", "--training.global_batch_size", "4", "--data.document_mask", "true",
            "--lr_scheduler.decay_ratio", "0"]
-LAYOUTS = ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2",
+LAYOUTS = ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
            "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
            "--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
 @pytest.mark.parametrize("model,layouts", [
-    ("qwen3_5", "2 2 muon + 2 2 nosp + 2 1 rep=2 + pp 2 2 1 1F1B muon"),
+    ("qwen3_5", "2 2 muon + 2 2 nosp + 2 1 rep=2 + pp 2 2 1 1F1B muon + 2 1 cp=2 + 1 2 cp=2 muon"),
     ("qwen3_5/debugmodel_moe", "2 2 ep=2 muon + 4 1 ep=4 + pp 2 2 1 1F1B ep=2"),
 ], ids=["dense", "moe"])
 def test_every_gradient_and_update_matches_one_process(model, layouts):
