@@ -2,7 +2,7 @@
 gradient and Muon update of one step (FSDP x TP with and without sequence parallel, HSDP,
 pipeline stages, context parallel with FSDP and with TP on packed documents; the MoE flavor
 under EP), and a 10-step training run with packed documents under context parallel x TP with
-activation checkpointing, resumed bitwise from its step-5 checkpoint.
+activation checkpointing and compiled blocks, resumed bitwise from its step-5 checkpoint.
 A compiled block: tests/test_linear_attention.py."""
 
 import json
@@ -15,7 +15,10 @@ QWEN3_5 = [*TINY, "--model.name", "qwen3_5", "--training.global_batch_size", "4"
            "--lr_scheduler.decay_ratio", "0"]
 LAYOUTS = ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
            "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full",
-           "--checkpoint.enable", "--checkpoint.interval", "5"]
+           "--checkpoint.enable", "--checkpoint.interval", "5",
+           # per-block compile (fullgraph: the chunk scan and the cp exchange inside); compiling on
+           # two loaded cores can outlast the default deadlines
+           "--compile.enable", "true", "--comm.init_timeout_s", "1200", "--comm.train_timeout_s", "1200"]
 
 
 @pytest.mark.parametrize("model,layouts", [
