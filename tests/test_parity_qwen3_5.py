@@ -1,7 +1,7 @@
 """Qwen3.5 (hybrid linear attention) under each parallelism reproduces one process: every
 gradient and Muon update of one step (FSDP x TP with and without sequence parallel, HSDP,
 pipeline stages, context parallel with FSDP and with TP on packed documents; the MoE flavor
-under EP), and a 10-step training run with packed documents under context parallel x TP with
+under EP, also EP 4 over FSDP 2 x CP 2), and a 10-step training run with packed documents under context parallel x TP with
 activation checkpointing and compiled blocks, resumed bitwise from its step-5 checkpoint.
 A compiled block: tests/test_linear_attention.py."""
 
@@ -23,7 +23,7 @@ LAYOUTS = ["--training.local_batch_size", "4", "--parallelism.context_parallel_d
 
 @pytest.mark.parametrize("model,layouts", [
     ("qwen3_5", "2 2 muon + 2 2 nosp + 2 1 rep=2 + pp 2 2 1 1F1B muon + 2 1 cp=2 + 1 2 cp=2 muon"),
-    ("qwen3_5/debugmodel_moe", "2 2 ep=2 muon + 4 1 ep=4 + pp 2 2 1 1F1B ep=2"),
+    ("qwen3_5/debugmodel_moe", "2 2 ep=2 muon + 4 1 ep=4 + pp 2 2 1 1F1B ep=2 + 2 1 cp=2 ep=4"),
 ], ids=["dense", "moe"])
 def test_every_gradient_and_update_matches_one_process(model, layouts):
     assert_grad_parity(model, 4, layouts.split())
