@@ -71,8 +71,9 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         args = dataclasses.replace(args, n_layers=layers)
     tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    # under cp: packed documents, some crossing the 8-token chunks, one starting on a chunk's first token
-    docs = (torch.tensor([[0] * 5 + [1] * 11 + [2] * 16] * 4) if cp > 1 else None)
+    # under cp: packed documents crossing the 8-token chunks (cp 2), one starting inside chunk 1
+    # after a document that continues from chunk 0, one on chunk 2's first token
+    docs = (torch.tensor([[0] * 5 + [1] * 7 + [2] * 4 + [3] * 16] * 4) if cp > 1 else None)
 
     ref = spec.build(args)
     ref.init_weights(0)
