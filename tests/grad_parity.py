@@ -2,9 +2,10 @@
 
 Run as N ranks (tests/harness.assert_grad_parity starts them; by hand: `python -m
 torch.distributed.run --nproc_per_node N tests/grad_parity.py MODEL LAYOUT [+ LAYOUT ...]`), a
-LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N] [muon]` (nosp: tensor parallel without sequence
+LAYOUT being `DP_SHARD TP [nosp] [ep=N] [rep=N] [cp=N] [muon]` (nosp: tensor parallel without sequence
 parallel; ep=N: expert parallel; rep=N: N HSDP replicas; muon: also one Muon step, each parameter's
-update compared) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages, either with
+update compared; cp=N: N context-parallel ranks, on a batch of packed documents that cross their
+chunks, the reference masked the same) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages, either with
 `layers=N` to build the flavor with N blocks (two stages per rank need more blocks than a debug
 flavor may have) and `model=NAME` to check another model than MODEL; several layouts share one launch. Every rank builds the single-device model too
 and compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient
@@ -30,6 +31,7 @@ from titanlite.model_spec import get_model_spec, model_args
 from titanlite.layers import init
 from titanlite.parallel import pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
+from titanlite.parallel.context import ContextParallel, shard_batch
 from titanlite.parallel.grad_norm import local_grad_sq, reduce_partial_grads
 from titanlite.optim import build_optimizers
 from titanlite.optim import muon as muon_impl
@@ -59,8 +61,8 @@ muon_impl.newton_schulz = count_orthogonalised(muon_impl.newton_schulz)
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0) -> bool:
-    dims = ParallelDims(rep, dp_shard, 1, tp, pp=pp, ep=ep)
+         ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0, cp: int = 1) -> bool:
+    dims = ParallelDims(rep, dp_shard, cp, tp, pp=pp, ep=ep)
     meshes = dims.build_meshes("cpu")
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
@@ -69,6 +71,9 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         args = dataclasses.replace(args, n_layers=layers)
     tokens = torch.randint(0, args.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    # under cp: packed documents crossing the 8-token chunks (cp 2), one starting inside chunk 1
+    # after a document that continues from chunk 0, one on chunk 2's first token
+    docs = (torch.tensor([[0] * 5 + [1] * 7 + [2] * 4 + [3] * 16] * 4) if cp > 1 else None)
 
     ref = spec.build(args)
     ref.init_weights(0)
@@ -78,7 +83,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
     extra = ExtraLosses()
     extra.bind([ref])
     with extra.collect(n_targets):
-        cross_entropy_sum(ref(inputs), labels).div(n_targets).backward()
+        cross_entropy_sum(ref(inputs, AttnContext(None, docs)), labels).div(n_targets).backward()
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
@@ -103,9 +108,15 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             parts = [spec.build(args)]
         parallelize(parts[0], spec, meshes, opts)
         init.materialize(parts[0], torch.device("cpu"), 0)
+        batch = {"input_ids": inputs[mine], "labels": labels[mine]}
+        setup = AttnSetup()
+        if cp > 1:
+            batch = shard_batch(batch, meshes.cp.get_local_rank(), cp)
+            setup = AttnSetup(cp=ContextParallel.of(meshes.cp.get_group()))
+        ctx = setup.context(batch.get("positions"), None if docs is None else docs[mine])
         extra.bind(parts)
         with loss_context(opts.loss_parallel), extra.collect(n_targets):
-            cross_entropy_sum(parts[0](inputs[mine], AttnContext()), labels[mine]).div(n_targets).backward()
+            cross_entropy_sum(parts[0](batch["input_ids"], ctx), batch["labels"]).div(n_targets).backward()
         mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])
 
@@ -150,13 +161,13 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
 def run_layout(name: str, words: list[str]) -> bool:
     flags = [w for w in words if "=" in w or w in ("nosp", "muon")]
     name = next((f.partition("=")[2] for f in flags if f.startswith("model=")), name)
-    ep, rep, layers = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), default)
-                       for k, default in (("ep=", 1), ("rep=", 1), ("layers=", 0)))
+    ep, rep, layers, cp = (next((int(f.partition("=")[2]) for f in flags if f.startswith(k)), default)
+                           for k, default in (("ep=", 1), ("rep=", 1), ("layers=", 0), ("cp=", 1)))
     if words[0] == "pp":
         return main(name, int(words[2]), int(words[3]), True, int(words[1]), words[4], ep=ep, muon="muon" in flags,
                     layers=layers)
     return main(name, int(words[0]), int(words[1]), "nosp" not in flags, ep=ep, rep=rep, muon="muon" in flags,
-                layers=layers)
+                layers=layers, cp=cp)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_fold
 from titanlite.errors import ConfigError
 from titanlite.models.qwen3_5 import SPEC, flavors, hf
 from titanlite.models.qwen3_5.model import Transformer
+from titanlite.models.qwen3_5.parallelize import check_layout
+from titanlite.parallel.mesh import ParallelDims
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,6 +96,8 @@ def test_refuses_what_it_cannot_express():
     state = {k: v for k, v in Transformer(args).state_dict().items()}
     with pytest.raises(ConfigError, match="model.visual.patch_embed.proj.weight' has no Qwen3.5 counterpart"):
         hf.from_hf({**hf.to_hf(state, args), "model.visual.patch_embed.proj.weight": torch.zeros(1)}, args)
+    with pytest.raises(ConfigError, match=r"^parallelism.context_parallel_degree: linear_backend fla does not run"):
+        check_layout(dataclasses.replace(args, linear_backend="fla"), ParallelDims(1, 1, 2, 1))
 
 
 def test_init_is_qwen3_5s():

@@ -46,6 +46,15 @@ def test_planner_bounds_hold_and_layouts_keep_the_global_batch():
         rep = report(dry_run(config.load([*argv, *lay.overrides()])[0], 4), gpu)
         assert b.peak_bytes <= max(r["memory_gib"]["peak"] for r in rep["roles"]) * hardware.GIB, lay
         assert b.tokens_per_sec_per_gpu >= rep["predicted"]["tokens_per_sec_per_gpu"], lay
+    # Qwen3.5 9B at 64 GPUs (docs/scaling.md has the search's pick): its context-parallel layouts
+    # pass the family's layout checks, which the planner's traces run (they refused cp before its
+    # linear blocks ran under it)
+    _, hybrid = planner._base(["--config", "qwen3_5_9b.toml"], 64)
+    lays = [lay for lay in planner.layouts(hybrid, 64, 8, 8192) if lay.cp > 1 and lay.pp == 1]
+    assert {lay.cp for lay in lays} >= {2, 8}
+    for cp in (2, 8):
+        lay = next(lay for lay in lays if lay.cp == cp)
+        assert planner._base(["--config", "qwen3_5_9b.toml", *lay.overrides()], 64)[1].dims.cp == cp
 
 
 def test_planner_finds_fitting_layouts_best_first(tmp_path, capsys):

@@ -28,14 +28,14 @@ def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
     weight is allocated."""
     if args.linear_backend not in LINEAR_BACKENDS:
         raise ConfigError(f"the flavor's linear_backend {args.linear_backend!r} is not one of {LINEAR_BACKENDS}")
+    if dims.cp > 1 and args.linear_backend != "torch":
+        raise ConfigError("parallelism.context_parallel_degree: linear_backend fla does not run under context "
+                          "parallel (titanlite passes the state between ranks with the torch backend); set it to 1")
     if args.linear_backend == "fla":
         try:
             require_fla()
         except ImportError as e:
             raise ConfigError(str(e)) from None
-    if dims.cp > 1:
-        raise ConfigError("parallelism.context_parallel_degree: Qwen3.5's linear-attention blocks do not run under "
-                          "context parallel yet; set it to 1")
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "linear_k_heads": args.linear_k_heads,
              "linear_v_heads": args.linear_v_heads, "vocab_size": args.vocab_size}
     if args.moe is None:

@@ -72,6 +72,10 @@ class SequenceShards(Protocol):
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunks of a whole sequence along `dim`."""
 
+    def gather_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [2, ...], one piece per local chunk (head, tail); every chunk's piece, [2 x degree,
+        ...] in sequence order (backward: each piece's gradient summed back to its rank)."""
+
 
 @dataclass(frozen=True)
 class AttnSetup:

@@ -13,6 +13,10 @@ Packed documents restart the state and the convolution at each document start, a
 per document and the pairs that cross a start are masked; a chunk in which a document starts
 neither reads nor carries the state from before that start.
 
+Context parallel (the batch's AttnSetup holds the cp shards): the state is passed along the cp
+ranks in sequence order and the convolution gets the previous chunk's last kernel-1 tokens
+(`_cp_gated_delta_rule`, `cp_causal_conv`; docs/attention.md).
+
 Backends (`ModelArgs.linear_backend`): "torch" (this file, plain PyTorch: CPU and GPU) and
 "fla", flash-linear-attention's Triton kernels (the optional extra `titanlite[fla]`; CUDA only,
 never run in this repository's tests: docs/attention.md).
@@ -25,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
-from titanlite.layers.attention import AttnContext
+from titanlite.layers.attention import AttnContext, SequenceShards
 
 LINEAR_BACKENDS = ("torch", "fla")
 
@@ -37,13 +41,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def document_starts(ctx: AttnContext | None, seq_len: int) -> torch.Tensor | None:
-    """[B, S] True where a token starts a document other than its predecessor's; None when the
-    batch is one causal stream (no document ids)."""
+    """[B, S] True where one of this rank's tokens starts a document other than its
+    predecessor's (under context parallel: its head-tail share of the whole sequence's); None
+    when the batch is one causal stream (no document ids)."""
+    starts = _global_starts(ctx)
+    if starts is None:
+        return None
+    if ctx.setup.cp is not None:
+        return ctx.setup.cp.shard(starts, 1)
+    return starts[:, :seq_len]
+
+
+def _global_starts(ctx: AttnContext | None) -> torch.Tensor | None:
+    """[B, full S] document starts of the whole sequence (document_ids are never sharded)."""
     if ctx is None or ctx.document_ids is None:
         return None
-    if ctx.setup.cp is not None:  # preflight refuses it (models/qwen3_5/parallelize.py); API callers get this
-        raise ValueError("linear attention under context parallel is not implemented; set parallelism.cp = 1")
-    docs = ctx.document_ids[:, :seq_len]
+    docs = ctx.document_ids
     starts = torch.zeros_like(docs, dtype=torch.bool)
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
     return starts
@@ -61,6 +74,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear attention backend {backend!r} is not one of {LINEAR_BACKENDS}")
     starts = document_starts(ctx, q.shape[1])
+    if ctx is not None and ctx.setup.cp is not None:
+        if backend != "torch" or initial_state is not None:  # preflight refuses fla under cp
+            raise ValueError("linear attention under context parallel runs the torch backend from a zero state only")
+        return _cp_gated_delta_rule(q, k, v, g, beta, starts, ctx.setup.cp, chunk_size, qk_l2norm, scale)
     if backend == "fla":
         return _fla(q, k, v, g, beta, starts, initial_state, qk_l2norm, scale)
     return chunk_gated_delta_rule(q, k, v, g, beta, starts, initial_state, chunk_size, qk_l2norm, scale)
@@ -126,6 +143,63 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state * keep[:, :, i] + k_write[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(b, hv, n * c, dv)[:, :, :s]
     return out.transpose(1, 2).to(out_dtype), state
+
+
+def _cp_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         starts: torch.Tensor | None, cp: SequenceShards, chunk_size: int, qk_l2norm: bool,
+                         scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over this rank's head-tail share ([B, 2L, ...]: sequence chunks h and t of 2N)
+    under context parallel. A chunk's final state is affine in the state it starts from,
+    S_out = M S_in + B (M: [Dk, Dk] per head, zero past a document start in the chunk), so:
+    one run of both local chunks from the state [0 | I] on the values [v | 0] gives [B | M];
+    one all-gather gives every chunk's (M, B) in sequence order; the prefix S_0 = 0,
+    S_{c+1} = M_c S_c + B_c gives the state each local chunk starts from; a second run from it
+    gives the outputs (exact: the same rule, only its start differs). Backward: the gather's
+    reduce-scatter returns each rank's (M, B) gradients from every later chunk's rank."""
+    def pair(x: torch.Tensor) -> torch.Tensor:  # the two local chunks as two batch rows
+        return torch.cat(x.chunk(2, dim=1), dim=0)
+
+    b, hv, dk, dv = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    q, k, v, g, beta = (pair(x) for x in (q, k, v, g, beta))
+    starts = None if starts is None else pair(starts)
+    identity = torch.eye(dk, device=q.device).expand(2 * b, hv, dk, dk)
+    probe = torch.cat([torch.zeros(2 * b, hv, dk, dv, device=q.device), identity], dim=-1)
+    _, ends = chunk_gated_delta_rule(q, k, torch.cat([v, v.new_zeros(*v.shape[:3], dk)], dim=-1), g, beta,
+                                     starts, probe, chunk_size, qk_l2norm, scale)
+    every = cp.gather_chunks(ends.unflatten(0, (2, b)))  # [2N, B, H, Dk, Dv + Dk]: (B | M) per chunk
+    state, before = torch.zeros(b, hv, dk, dv, device=q.device), []
+    for c in range(every.shape[0]):
+        before.append(state)
+        state = every[c, ..., dv:] @ state + every[c, ..., :dv]
+    head, tail = cp.chunks()
+    out, _ = chunk_gated_delta_rule(q, k, v, g, beta, starts, torch.cat([before[head], before[tail]]),
+                                    chunk_size, qk_l2norm, scale)
+    return torch.cat(out.chunk(2, dim=0), dim=1), state
+
+
+def cp_causal_conv(xs: list[torch.Tensor], weights: list[torch.Tensor], ctx: AttnContext) -> list[torch.Tensor]:
+    """`causal_conv` of each x ([B, 2L, C_i], this rank's head-tail share) under context
+    parallel: every chunk's last kernel-1 tokens (all xs' channels in one all-gather) are the
+    halo of the chunk after it (zeros before chunk 0); taps across a document start read zero,
+    as in one process."""
+    cp, kernel = ctx.setup.cp, weights[0].shape[1]
+    x, weight = torch.cat(xs, dim=-1), torch.cat(weights, dim=0)
+    length = x.shape[1] // 2
+    if length < kernel - 1:
+        raise ValueError(f"context parallel: a rank's sequence chunk of {length} tokens is shorter than the "
+                         f"convolution's {kernel - 1}-token halo; lower parallelism.context_parallel_degree")
+    pieces = x.unflatten(1, (2, length)).transpose(0, 1)  # [2, B, L, C]: head chunk, tail chunk
+    tails = cp.gather_chunks(pieces[:, :, length - (kernel - 1):])
+    halos = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])  # chunk c's halo: chunk c-1's tail
+    starts = _global_starts(ctx)
+    if starts is not None:  # window of chunk c: global tokens [c L - (kernel-1), (c+1) L)
+        starts = F.pad(starts, (kernel - 1, 0))
+    out = []
+    for i, c in enumerate(cp.chunks()):
+        window = torch.cat([halos[c], pieces[i]], dim=1)
+        mine = None if starts is None else starts[:, c * length:(c + 1) * length + kernel - 1]
+        out.append(causal_conv(window, weight, mine)[:, kernel - 1:])
+    return list(torch.cat(out, dim=1).split([x.shape[-1] for x in xs], dim=-1))
 
 
 def flops_per_token(k_head_dim: int, v_head_dim: int, chunk_size: int) -> int:
@@ -256,11 +330,16 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 ctx: AttnContext | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        starts = document_starts(ctx, seqlen)
+        xs = [self.wq(x), self.wk(x), self.wv(x)]
+        weights = [_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
+        if ctx is not None and ctx.setup.cp is not None:
+            xs = cp_causal_conv(xs, weights, ctx)
+        else:
+            starts = document_starts(ctx, seqlen)
+            xs = [causal_conv(x_, w, starts) for x_, w in zip(xs, weights)]
         # -1 heads: under tensor parallelism each rank holds only its share of heads
-        q, k, v = (F.silu(causal_conv(proj(x), _local(w), starts)).view(bsz, seqlen, -1, d) for proj, w, d in (
-            (self.wq, self.conv_q, self.k_head_dim), (self.wk, self.conv_k, self.k_head_dim),
-            (self.wv, self.conv_v, self.v_head_dim)))
+        q, k, v = (F.silu(x_).view(bsz, seqlen, -1, d) for x_, d in zip(xs, (self.k_head_dim, self.k_head_dim,
+                                                                               self.v_head_dim)))
         beta = torch.sigmoid(self.wb(x))
         # float32: exp(A_log) of a 16-bit weight can overflow
         g = -_local(self.A_log).float().exp() * F.softplus(self.wa(x).float() + _local(self.dt_bias))

@@ -87,6 +87,16 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     return full.movedim(0, dim)
 
 
+def gather_chunks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """x: [2, ...], one piece per local chunk (head, tail). Returns [2 x degree, ...]: every
+    chunk's piece in sequence order (what linear attention passes along: states, conv halos);
+    backward sums each piece's gradient back to its owner."""
+    degree = dist.get_world_size(group)
+    full = _AllGather.apply(x, group)
+    order = [c for r in range(degree) for c in chunks_of(r, degree)]
+    return torch.stack([full[order.index(c)] for c in range(2 * degree)])
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """The cp group as attention and multi-token prediction see it (the SequenceShards of
@@ -108,3 +118,6 @@ class ContextParallel:
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return shard_sequence(x, self.rank, self.degree, dim)
+
+    def gather_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_chunks(x, self.group)
