@@ -195,11 +195,29 @@ def test_more_groups_than_group_size_are_refused(tmp_path):
         assert not Run(0, "", tmp_path / f"g{r}").metrics
 
 
-def test_the_per_step_cost_of_replica_groups_in_docs_scaling():
-    """docs/scaling.md's figure: llama_70b's fp32 gradient shard on 64 GPUs, 16 groups of H100s."""
+def test_the_per_step_cost_of_replica_groups_in_docs_scaling_and_the_dry_run():
+    """docs/scaling.md's figure (llama_70b's fp32 gradient shard on 64 GPUs, 16 groups of H100s),
+    and the dry run of one group: its share of the global batch, plus the quorum and the
+    cross-group all-reduce of its gradients."""
+    from titanlite.config import load as config
     from titanlite.dryrun.hardware import get_gpu
+    from titanlite.dryrun.run import dry_run, report
     from titanlite.dryrun.timing import replica_step_seconds
 
     h100 = get_gpu("h100")
     assert replica_step_seconds(1e9, 1, h100) == 0.0
     assert round(replica_step_seconds(70.6e9 / 64 * 4, 16, h100), 3) == 0.234
+
+    shape = ["--config", "debug_model.toml", "--training.seq_len", "64", "--training.local_batch_size", "2",
+             "--training.global_batch_size", "8"]
+    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+          "--fault_tolerance.lighthouse", "http://127.0.0.1:29510"]
+    alone, grouped = (report(dry_run(config.load(argv)[0], 2), h100) for argv in (shape, [*shape, *ft]))
+    assert alone["predicted"]["replica_groups_s"] == 0.0 and grouped["config"]["global_batch_size"] == 4
+    # half the global batch: half the micro-batches traced (2 -> 1 per rank), half the FLOPs
+    assert grouped["roles"][0]["flops_per_step"] == pytest.approx(alone["roles"][0]["flops_per_step"] / 2, rel=1e-6)
+    grads = grouped["roles"][0]["memory_gib"]["gradients"]
+    assert grads > 0
+    across = grouped["predicted"]["replica_groups_s"]
+    assert across > 0.05  # the quorum's round trip at least
+    assert grouped["predicted"]["step_s"] == pytest.approx(grouped["roles"][0]["step_s"] + across)

@@ -218,6 +218,9 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
     plan = make_plan(cfg, world_size)  # a dry run reads no data: it plans any size of job
+    groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1
+    if groups > 1:  # one replica group's step: its share of the global batch when every group is in the quorum
+        plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size // groups)
     check_attention(backend, plan.args, plan.dims.cp, device == "cuda")
     dims, ac = plan.dims, cfg.activation_checkpoint
     for r in ranks or []:
@@ -235,7 +238,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
-                       "attn_backend": backend, "compile": compiled},
+                       "attn_backend": backend, "compile": compiled, "replica_groups": groups},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -255,8 +258,13 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
                                           // result["layout"]["pp"])
     roles, key = [], (gpu.name, cfg["compile"])
+    # replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
+    # gradients, after the backward (titanlite.runtime.replicas)
+    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
+    across = timing.replica_step_seconds(grads, cfg.get("replica_groups", 1), gpu)
     # the slowest role's step, eager and compiled (the same trace timed both ways)
-    steps = {c: max(role.times[gpu.name, c].step(*bubble) for role in result["_roles"]) for c in (False, True)}
+    steps = {c: max(role.times[gpu.name, c].step(*bubble) for role in result["_roles"]) + across
+             for c in (False, True)}
     step_s = steps[cfg["compile"]]
     for role in result["_roles"]:
         peak = role.peaks[role.peak_phase]
@@ -276,7 +284,8 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     if pipe is not None:
         pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
     return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg, "roles": roles,
-            "predicted": {"gpu": gpu.name, "step_s": step_s, "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
+            "predicted": {"gpu": gpu.name, "step_s": step_s, "replica_groups_s": across,
+                          "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
                           "tokens_per_sec_per_gpu_eager": tokens / steps[False] / world,
                           "tokens_per_sec_per_gpu_compiled": tokens / steps[True] / world,
@@ -310,6 +319,9 @@ def print_table(rep: dict) -> None:
     print(f"predicted on {pred['gpu']}: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
           f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
+    if pred["replica_groups_s"]:
+        print(f"  of which {pred['replica_groups_s']:.3f} s for the quorum and the gradients' all-reduce across "
+              f"{cfg['replica_groups']} replica groups (this group's share of the global batch: 1/{cfg['replica_groups']})")
     other = "eager" if cfg["compile"] else "compiled"
     print(f"  the same step {other} (compile.enable {str(not cfg['compile']).lower()}): "
           f"{pred['tokens_per_sec_per_gpu_' + other]:,.0f} tokens/s/GPU")

@@ -143,7 +143,7 @@ def replica_step_seconds(grad_bytes_per_rank: float, groups: int, gpu: GPU) -> f
     """What replica groups (fault_tolerance.enable, titanlite.runtime.replicas) add to each step
     on `gpu`: the quorum's round trip and one all-reduce of every rank's gradient shard with the
     same rank of the other groups (a ring across nodes, one rank per node), after the backward
-    and not overlapped with it. Not yet part of the dry run's prediction (docs/scaling.md uses it)."""
+    and not overlapped with it. The dry run adds it to a replica group's step."""
     if groups <= 1:
         return 0.0
     ranks = tuple(range(0, groups * gpu.gpus_per_node, gpu.gpus_per_node))
