@@ -194,6 +194,22 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
             print(note, file=sys.stderr, flush=True)
 
 
+def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: int,
+                 heals: bool) -> tuple[MetricsLogger, Throughput]:
+    """The run's metrics (named by job.run_name) and throughput clock; a restarted attempt's line
+    and restarts.jsonl row first (`heals`: replica groups, which heal rather than resume)."""
+    t, rank = cfg.training, dist.get_rank()
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
+                            config_load.to_toml(cfg))
+    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
+        restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=heals)
+    throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
+                            plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
+                            dist.get_world_size())
+    return metrics, throughput
+
+
 def finish(dump_folder: str, guard: Guard) -> None:
     """Proof this rank finished, for launchers and tests, written after the last collective."""
     done = Path(dump_folder) / "status"
@@ -247,14 +263,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                           t.local_batch_size, dp_rank, dims.dp, meshes.loss_group,
                           meshes.dp_cp.get_group() if dims.pp > 1 else None)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
-    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
-    metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
-                            config_load.to_toml(cfg))
-    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
-        restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=ft is not None)
-    throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
-                            plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
-                            dist.get_world_size())
+    metrics, throughput = open_metrics(cfg, plan, device, start_step, heals=ft is not None)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
