@@ -131,14 +131,14 @@ def test_replica_group_keys_are_refused_in_one_line(monkeypatch):
 
 @pytest.mark.parametrize("restarts", [1, 0])
 def test_a_killed_group_heals_or_stays_down_while_the_other_logs_every_step(tmp_path, restarts):
-    """Group 1 (./run_train.sh, its own torchrun) loses rank 1 at step 3; group 0 never stops.
+    """Group 1 (./run_train.sh, its own torchrun) loses rank 1 at step 5; group 0 never stops.
     With restarts 1, group 1 is restarted by its own fault_tolerance.max_restarts and heals from
     group 0 with equal parameters (group 0 sleeps in each step from then on, so that it is still
-    running); with 0, it stays down and group 0 finishes alone. Either way group 0 logs steps 1-30,
+    running); with 0, it stays down and group 0 finishes alone. Either way group 0 logs steps 1-32,
     each loss that of one process on the same global batches, whoever trained them."""
     from test_launcher import output, run_sh
 
-    args = [*ARGS, "--training.steps", "30"]
+    args = [*ARGS, "--training.steps", "32"]
     ref = reference(args)
     g0, logs = [], []
     with lighthouse(1) as address:
@@ -149,23 +149,23 @@ def test_a_killed_group_heals_or_stays_down_while_the_other_logs_every_step(tmp_
                          "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
                          "--fault_tolerance.lighthouse", address, "--fault_tolerance.timeout_s", "20",
                          "--fault_tolerance.min_replica_size", "2", "--fault_tolerance.max_restarts", str(restarts)],
-                        tmp_path / "g1", env={"TITANLITE_FAULTS": "kill@3:1"}) as (proc, out):
+                        tmp_path / "g1", env={"TITANLITE_FAULTS": "kill@5:1"}) as (proc, out):
                 deadline = time.monotonic() + LIMIT_S
                 while not any(line.startswith("titanlite: llama3") for line in output(out)):
                     assert proc.poll() is None and time.monotonic() < deadline, output(out)[-30:]
                     time.sleep(0.1)
-                g0, logs = group(0, address, tmp_path / "g0", ["--training.steps", "30"],
-                                 env={"TITANLITE_FAULTS": "slow@3"} if restarts else None)
+                g0, logs = group(0, address, tmp_path / "g0", ["--training.steps", "32"],
+                                 env={"TITANLITE_FAULTS": "slow@5"} if restarts else None)
                 code = proc.wait(timeout=LIMIT_S)
                 lines = [line for line in output(out) if "torchft::" not in line]  # the lighthouse's log
         finally:
             wait_all(g0, logs)
     g0_out = "".join(f.read_text() for f in logs)
     run = Run(0, "", tmp_path / "g0")
-    assert [m["step"] for m in run.metrics] == list(range(1, 31)), g0_out[-3000:]
+    assert [m["step"] for m in run.metrics] == list(range(1, 33)), g0_out[-3000:]
     assert_parity(ref.losses, run.losses, first_rtol=1e-4)
     assert all(p.poll() in (0, -6) for p in g0), g0_out[-3000:]
-    assert "titanlite: step 3: 1 replica group(s) in the quorum (was 2)" in g0_out, g0_out[-3000:]
+    assert "titanlite: step 5: 1 replica group(s) in the quorum (was 2)" in g0_out, g0_out[-3000:]
     said = "\n".join(lines)
     if not restarts:
         assert code == 1 and lines[-1].startswith("titanlite: error: rank 1 was killed by SIGKILL"), said
