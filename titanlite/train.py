@@ -171,13 +171,27 @@ def start_process(cfg: JobConfig) -> torch.device:
     return device
 
 
-def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader,
-                       meshes: Meshes) -> CheckpointManager:
-    return CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
-                             loader=loader, data=cfg.data, seq_len=cfg.training.seq_len,
+def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader, meshes: Meshes,
+                       device: torch.device) -> tuple[CheckpointManager, SpikeWindow | None]:
+    """The checkpoint manager, and the spike window (training.on_spike) it saves and restores,
+    so that a resumed run judges its steps as an uninterrupted one would."""
+    t = cfg.training
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
+                             loader=loader, data=cfg.data, seq_len=t.seq_len,
                              global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
-                             final_step=cfg.training.steps, tied=() if plan.stages is None else plan.stages.tied,
+                             final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
                              writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
+    window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
+    if window is not None:
+        ckpt.optional["spike_window"] = window
+    return ckpt, window
+
+
+def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
+    t, dims = cfg.training, plan.dims
+    return Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size, t.local_batch_size,
+                     meshes.dp.get_local_rank(), dims.dp, meshes.loss_group,
+                     meshes.dp_cp.get_group() if dims.pp > 1 else None)
 
 
 def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype) -> None:
@@ -195,9 +209,10 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
 
 
 def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: int,
-                 heals: bool) -> tuple[MetricsLogger, Throughput]:
-    """The run's metrics (named by job.run_name) and throughput clock; a restarted attempt's line
-    and restarts.jsonl row first (`heals`: replica groups, which heal rather than resume)."""
+                 heals: bool) -> tuple[MetricsLogger, Throughput, Stragglers | None]:
+    """The run's metrics (named by job.run_name), throughput clock and straggler report; a
+    restarted attempt's line and restarts.jsonl row first (`heals`: replica groups, which heal
+    rather than resume)."""
     t, rank = cfg.training, dist.get_rank()
     run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
@@ -207,7 +222,9 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
                             dist.get_world_size())
-    return metrics, throughput
+    stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
+                  if cfg.metrics.straggler_ratio > 0 else None)
+    return metrics, throughput, stragglers
 
 
 def finish(dump_folder: str, guard: Guard) -> None:
@@ -237,20 +254,15 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
-    ckpt = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes)
+    ckpt, window = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
-    window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
-    if window is not None:  # resumed with the run, so a resumed run judges as an uninterrupted one
-        ckpt.optional["spike_window"] = window
     start_step = ckpt.maybe_load()
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
                    dp_rank, dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
-    stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
-                  if cfg.metrics.straggler_ratio > 0 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -259,11 +271,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
-    validator = Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size,
-                          t.local_batch_size, dp_rank, dims.dp, meshes.loss_group,
-                          meshes.dp_cp.get_group() if dims.pp > 1 else None)
+    validator = build_validator(cfg, plan, meshes)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
-    metrics, throughput = open_metrics(cfg, plan, device, start_step, heals=ft is not None)
+    metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, heals=ft is not None)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
