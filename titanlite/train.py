@@ -260,7 +260,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         return None
     start_step = ckpt.maybe_load()
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
-                   dp_rank, dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
+                   dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,

@@ -172,7 +172,7 @@ class GlobalBatchSampler:
     def __init__(self, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                  skip: tuple[tuple[int, int], ...] = ()) -> None:
         self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
-        self.row0 = dp_rank * (global_batch_size // dp_degree)
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.accum = global_batch_size // (local_batch_size * dp_degree)
         self.global_batch, self.micro_batch = 0, 0
         self.skip: tuple[tuple[int, int], ...] = ()
@@ -197,12 +197,17 @@ class GlobalBatchSampler:
             n += b - a
         return n
 
+    def first_sample(self, n: int, part: int = 0, parts: int = 1) -> int:
+        """The first sample of this rank's rows of the n-th global batch read, the batch split into
+        `parts` equal shares (the replica groups of a quorum), this rank's group holding share `part`."""
+        share = self.global_batch_size // parts
+        return self.read_batch(n) * self.global_batch_size + part * share + self.dp_rank * (share // self.dp_degree)
+
     def __iter__(self) -> GlobalBatchSampler:
         return self
 
     def __next__(self) -> list[int]:
-        first = (self.read_batch(self.global_batch) * self.global_batch_size + self.row0
-                 + self.micro_batch * self.local_batch_size)
+        first = self.first_sample(self.global_batch) + self.micro_batch * self.local_batch_size
         self.micro_batch += 1
         if self.micro_batch == self.accum:
             self.global_batch, self.micro_batch = self.global_batch + 1, 0

@@ -59,21 +59,19 @@ def local_grad_sq(params: list[nn.Parameter], stage_ranks: Sequence[int]) -> tor
     """
     grads = [p.grad for p in params if p.grad is not None]
     owned = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _owns(g, stage_ranks)]
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
-    for g in owned:
-        if g.numel():
-            sq += _square_sum(g)
-    return sq.float()
+    rows = [_row_norms(g) for g in owned if g.numel()]
+    if not rows:
+        return torch.zeros((), device=grads[0].device if grads else torch.device("cpu"))
+    return torch.cat(rows).double().square().sum().float()  # every gradient's rows, summed in float64
 
 
-def _square_sum(g: torch.Tensor) -> torch.Tensor:
-    """The sum of g's squares in float64, in two levels: float32 norms of its rows, then float64
-    across them. A float32 norm of a whole large tensor drifts (torch's CPU kernel is 1e-5 low
-    on a 4096 x 256 gradient), which a parallel run, squaring smaller shards, does not share; a
+def _row_norms(g: torch.Tensor) -> torch.Tensor:
+    """The float32 norms of g's rows (along its last dimension), whose squares local_grad_sq sums
+    in float64. A float32 norm of a whole large tensor drifts (torch's CPU kernel is 1e-5 low on
+    a 4096 x 256 gradient), which a parallel run, squaring smaller shards, does not share; a
     float64 copy of g would cost twice its memory."""
-    rows = torch.linalg.vector_norm(g.reshape(-1, g.shape[-1]) if g.dim() else g.reshape(1, 1), dim=1,
+    return torch.linalg.vector_norm(g.reshape(-1, g.shape[-1]) if g.dim() else g.reshape(1, 1), dim=1,
                                     dtype=torch.float32)
-    return rows.double().square().sum()
 
 
 def global_norm(grad_sq: torch.Tensor, votes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,8 @@ from titanlite.errors import ConfigError, RunError
 
 Batch = dict[str, torch.Tensor]
 PRIME = 2**31 - 1  # the parameter fingerprint's modulus
+FINGERPRINT_BYTES = 1 << 24  # bytes fingerprinted at once: its int64 temporaries stay at a few hundred MiB
+BUCKET = 1 << 26  # elements per cross-group all-reduce: bounds the flat copy a sum needs
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,13 +50,26 @@ def check_split(f: FaultTolerance, global_batch_size: int, local_batch_size: int
                               f"it a multiple of each (or raise fault_tolerance.min_replica_size)")
 
 
+def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """`tensors` in order, in runs of at most `limit` elements (a larger tensor alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        if bucket and size + t.numel() > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
 class Replicas:
     """This rank's view of the replica groups; every rank of a group makes the same calls.
     `optimizers`: titanlite.optim.Optimizers (runtime sits beside optim, not above it);
     `loader`: the training StatefulDataLoader (its data set and skipped ranges)."""
 
     def __init__(self, f: FaultTolerance, parts: list[nn.Module], optimizers: Any, loader: Any,
-                 global_batch_size: int, local_batch_size: int, dp_rank: int, dp: int, device: torch.device,
+                 global_batch_size: int, local_batch_size: int, dp: int, device: torch.device,
                  start_step: int) -> None:
         # torchft's Rust side logs about 8 INFO lines a step to the terminal; RUST_LOG=info brings them back
         os.environ.setdefault("RUST_LOG", "warn")
@@ -62,8 +78,7 @@ class Replicas:
 
         check_split(f, global_batch_size, local_batch_size, dp)
         self.parts, self.optimizers, self.loader = parts, optimizers, loader
-        self.global_batch_size, self.local_batch_size, self.dp_rank, self.dp = (global_batch_size, local_batch_size,
-                                                                               dp_rank, dp)
+        self.global_batch_size, self.local_batch_size, self.dp = global_batch_size, local_batch_size, dp
         self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
         self.step = start_step
         self.healed_to: int | None = None
@@ -116,13 +131,10 @@ class Replicas:
     def batches(self, step: int) -> list[Batch]:
         """This rank's micro-batches of global batch `step`: its group's share by quorum rank, then
         its own share within the group."""
-        G, L = self.global_batch_size, self.local_batch_size
-        share = G // self.size
-        first = (self.loader.batch_sampler.read_batch(step - 1) * G + self.rank * share
-                 + self.dp_rank * (share // self.dp))
+        L, rows = self.local_batch_size, self.global_batch_size // (self.size * self.dp)
+        first = self.loader.batch_sampler.first_sample(step - 1, self.rank, self.size)
         data = self.loader.dataset
-        return [default_collate([data[g] for g in range(start, start + L)])
-                for start in range(first, first + share // self.dp, L)]
+        return [default_collate([data[g] for g in range(start, start + L)]) for start in range(first, first + rows, L)]
 
     def count(self, n_targets: torch.Tensor) -> None:
         """The target-token count summed over the quorum, in place (the group's is summed already)."""
@@ -143,13 +155,14 @@ class Replicas:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(_local(t))
-        for group in by_dtype.values():  # one collective per dtype
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for group in by_dtype.values():  # one collective per dtype and bucket (the same on every group)
+            for bucket in _buckets(group, BUCKET):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+                offset = 0
+                for t in bucket:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def _check_same(self, step: int) -> None:
         """Refuse to train on if the groups of the quorum hold different parameters (a heal that
@@ -160,9 +173,14 @@ class Replicas:
         h = torch.zeros((), dtype=torch.int64, device=self.device)
         for part in self.parts:
             for _, p in sorted(part.named_parameters()):
-                b = _local(p).detach().contiguous().reshape(-1).view(torch.uint8).long()
+                b = _local(p).detach().contiguous().reshape(-1).view(torch.uint8)
+                term = torch.zeros((), dtype=torch.int64, device=self.device)
+                for start in range(0, b.numel(), FINGERPRINT_BYTES):
+                    chunk = b[start:start + FINGERPRINT_BYTES].long()
+                    weight = torch.arange(start, start + chunk.numel(), device=b.device) % 65_521 + 1
+                    term += (chunk * weight).sum()
                 # every term stays below 2**63: h < 2**31, a byte times a weight < 2**24 each
-                h = (h * 1_000_003 + (b * (torch.arange(b.numel(), device=b.device) % 65_521 + 1)).sum()) % PRIME
+                h = (h * 1_000_003 + term) % PRIME
         both = torch.stack([h, -h])
         self.manager.allreduce(both, reduce_op=ReduceOp.MAX).wait()
         if self.manager.errored() is None and int(both[0]) != -int(both[1]):
