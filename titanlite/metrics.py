@@ -1,11 +1,19 @@
 """Rank-0 metrics: one console line, TensorBoard scalars and metrics.jsonl per logged step.
 
 Several runs may share a dump folder: each row of metrics.jsonl names its run (`run`), the
-first row of a run or a resume says so (`begins`), and TensorBoard events go to tb/<run>/."""
+first row of a run or a resume says so (`begins`), and TensorBoard events go to tb/<run>/.
+
+A run that goes back (a restart or resume from a checkpoint, a spike rollback) logs some steps
+again. The rows of the steps it undid stay in metrics.jsonl, marked: every row is written with
+`"superseded": false`, turned true in place when the run goes back past its step, so keeping
+the rows of a run whose `superseded` is false keeps one row per step, the run's line.
+TensorBoard is told the same way it is told of a restart (SummaryWriter's purge_step: a
+SessionLog.START at the first step logged again hides the run's later events before it)."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -41,8 +49,47 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def default_run_name(model: str, flavor: str) -> str:
-    """job.run_name when empty: the model, its flavor and the start time."""
-    return f"{model}-{flavor}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """job.run_name when empty: the model, its flavor and the start time (the launch's, which
+    every restarted attempt shares: one run)."""
+    return f"{model}-{flavor}-{os.environ.get('TITANLITE_RUN_STARTED') or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+_LIVE, _DEAD = b'"superseded": false}', b'"superseded": true }'  # the same length: turned in place
+
+
+def supersede(path: Path, run: str, after: int) -> int:
+    """Mark `run`'s rows of steps after `after` superseded, in place; returns how many. Reads
+    back from the end until that run's last live row of a step at or before `after`."""
+    if not path.exists():
+        return 0
+    marked = 0
+    with open(path, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        chunk, tail = 1 << 16, b""
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            lines = (f.read(end - start) + tail).split(b"\n")
+            tail = lines.pop(0) if start else b""  # the first piece may be a line's end only
+            offset = start + len(tail) + (1 if start else 0)
+            places = []
+            for line in lines:
+                places.append((offset, line))
+                offset += len(line) + 1
+            for at, line in reversed(places):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # blank, or cut short by a crash
+                if row.get("run") != run or row.get("superseded") is not False or not line.endswith(_LIVE):
+                    continue
+                if row.get("step", 0) <= after:
+                    return marked
+                f.seek(at + len(line) - len(_LIVE))
+                f.write(_DEAD)
+                marked += 1
+            end = start
+    return marked
 
 
 def reduce_losses(loss_sum: torch.Tensor, extra: dict[str, torch.Tensor], n_targets: torch.Tensor,
@@ -84,13 +131,19 @@ class Throughput:
         self.last += seconds
 
 
+def _cut_short(path: Path) -> bool:
+    """Whether the file's last line lacks its newline."""
+    with open(path, "rb") as f:
+        return f.seek(0, os.SEEK_END) > 0 and f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+
+
 class MetricsLogger:
     """Writes only on rank 0; other ranks hold a disabled instance so call sites stay simple."""
 
     def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, enabled: bool,
                  start_step: int = 0, config_text: str = ""):
-        """`start_step`: the step the run resumes after (0: a fresh start); `config_text`: the
-        run's config, written to TensorBoard as text."""
+        """`start_step`: the step the run resumes after (0: a fresh start), past which its rows so
+        far are superseded; `config_text`: the run's config, written to TensorBoard as text."""
         self.enabled = enabled
         self.writer = None
         self.run_name = run_name
@@ -99,21 +152,41 @@ class MetricsLogger:
             return
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(folder / "metrics.jsonl", "a")
-        if enable_tensorboard:
+        self.path, self.tb = folder / "metrics.jsonl", folder / "tb" / run_name if enable_tensorboard else None
+        supersede(self.path, run_name, start_step)
+        self.jsonl = open(self.path, "a")
+        if _cut_short(self.path):
+            self.jsonl.write("\n")  # a row cut short by a crash stays a line of its own
+        self._open_tensorboard(start_step)
+        if self.writer is not None and config_text:
+            # markdown: a code block keeps the TOML's lines and indentation
+            self.writer.add_text("config", "```toml\n" + config_text + "\n```", start_step)
+
+    def _open_tensorboard(self, after: int) -> None:
+        """Events from step `after` + 1 on replace the run's earlier ones (purge_step)."""
+        if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(folder / "tb" / run_name))
-            if config_text:
-                # markdown: a code block keeps the TOML's lines and indentation
-                self.writer.add_text("config", "```toml\n" + config_text + "\n```", start_step)
+            self.writer = SummaryWriter(str(self.tb), purge_step=after + 1)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (a spike rollback): its rows after it are superseded, and
+        TensorBoard shows the steps logged again as the run's line."""
+        if not self.enabled:
+            return
+        self.jsonl.flush()
+        supersede(self.path, self.run_name, step)
+        self.begins = f"rollback to step {step}"
+        if self.writer is not None:
+            self.writer.close()
+            self._open_tensorboard(step)
 
     def _row(self, row: dict) -> None:
         """One line of metrics.jsonl, named by the run; the run's first says where it begins."""
         row = {**row, "run": self.run_name}
         if self.begins is not None:
             row["begins"], self.begins = self.begins, None
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(json.dumps({**row, "superseded": False}) + "\n")
         self.jsonl.flush()
 
     def log(self, step: int, values: dict[str, float | str | None], eta_s: float) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
 from titanlite.loss import LossFn, build_loss_fn
-from titanlite.loop import Referee, Update, Verdict, one_step
+from titanlite.loop import Referee, StepResult, Update, Verdict, one_step
 from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
     reduce_losses
 from titanlite.model_spec import in_model_code
@@ -39,13 +40,15 @@ from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
 from titanlite.preflight import Plan, param_dtype, preflight
-from titanlite.runtime import fault, gc_control, restart
+from titanlite.runtime import console, fault, gc_control, launch
 from titanlite.runtime.determinism import set_determinism
 from titanlite.runtime.fault import Guard, enable_flight_recorder
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.profiling import Profiler
 from titanlite.runtime.replicas import Replicas
+from titanlite.runtime.restart import Restart
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
+from titanlite.runtime.verdict import Counts
 from titanlite.step import PlainStep, StepOutput
 
 
@@ -112,6 +115,41 @@ def logged(step: int, log_freq: int, steps: int) -> bool:
 
 
 @dataclass
+class StepLog:
+    """A step's row of metrics (console, metrics.jsonl, TensorBoard), on every rank (its losses
+    and the straggler report are collectives); its verdict is read first, so the counts are
+    this step's."""
+
+    metrics: MetricsLogger
+    throughput: Throughput
+    stragglers: Stragglers | None
+    guard: Guard
+    plan: Plan
+    device: torch.device
+    once: bool
+    """This rank counts the loss sum (tensor-parallel ranks hold the same)."""
+    epoch_of: Callable[[int], int] | None
+    spikes: bool
+    """training.on_spike is on: the row counts spike_steps."""
+
+    def __call__(self, step: int, result: StepResult, lr: float) -> None:
+        self.guard.phase("logging")
+        verdict, out = self.guard.verdict, result.out
+        verdict.flush()
+        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, self.plan.spec.extra_losses,
+                               self.plan.spec.tp_replicated_losses, self.once)
+        speed, eta = self.throughput(step)
+        gbs = self.plan.global_batch_size
+        self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
+                                "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
+                                "epoch": self.epoch_of((step - 1) * gbs) if self.epoch_of else None,
+                                **losses, **{k: float(v) for k, v in result.scalars.items()},
+                                **({"spike_steps": verdict.spikes} if self.spikes else {}),
+                                **({} if self.stragglers is None else self.stragglers.report(step, self.guard.own_s))},
+                         eta)
+
+
+@dataclass
 class GuardReferee(Referee):
     """A training run's referee: the fault guard votes (stop, non-finite, with a spike window its
     loss share) and decides; the host reads the verdict a step late unless it syncs anyway."""
@@ -131,18 +169,20 @@ class GuardReferee(Referee):
         return self.guard.votes(out.loss_sum, share)
 
     def verdict(self, grad_norm: torch.Tensor, votes: torch.Tensor) -> Verdict:
-        step = self.guard.step
-        bad = self.guard.decide(grad_norm, votes, read_now=logged(step, self.log_freq, self.steps) or self.ckpt.due(step) or not self.fused)
+        step, rerun = self.guard.step, self.guard.verdict.rerun
+        read_now = (logged(step, self.log_freq, self.steps) or self.ckpt.due(step) or not self.fused
+                    or (rerun is not None and rerun.step == step))
+        bad = self.guard.decide(grad_norm, votes, read_now=read_now)
         self.ckpt.wait_for_staging()  # an async save still copying must see the weights before the update
         # bad: the device's verdict, also where the host reads it a step late
         return Verdict(bad, self.guard.verdict.skip, bad if self.fused else None)
 
 
 def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
-              rank: int) -> int:
-    """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
-    skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
-    streak = guard.verdict.streak
+              rank: int, streak: list[int]) -> int:
+    """PaLM's recipe for a run of spikes (`streak`, its steps): back to the newest checkpoint,
+    the spiking steps' data skipped from then on (recorded in the checkpoint), the verdicts'
+    counts kept (the spikes happened). Returns the step it resumes after."""
     first, last, n = streak[0], streak[-1], len(streak)
     sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
     start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
@@ -150,7 +190,9 @@ def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader,
     if not ckpt.candidates():
         raise RunError(f"step {last}: {n} spikes in a row and no checkpoint to go back to yet (training.on_spike = "
                        "rollback); lower checkpoint.interval or set training.on_spike = skip")
-    step = ckpt.maybe_load()
+    counts = guard.verdict.counts.state_dict()
+    step = ckpt.maybe_load(say=False)
+    guard.verdict.counts.load_state_dict(counts)
     ckpt.optional["skipped_samples"].add(start, end)
     guard.rolled_back(step)
     if rank == 0:
@@ -172,9 +214,10 @@ def start_process(cfg: JobConfig) -> torch.device:
 
 
 def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader, meshes: Meshes,
-                       device: torch.device) -> tuple[CheckpointManager, SpikeWindow | None]:
-    """The checkpoint manager, and the spike window (training.on_spike) it saves and restores,
-    so that a resumed run judges its steps as an uninterrupted one would."""
+                       device: torch.device) -> tuple[CheckpointManager, SpikeWindow | None, Counts]:
+    """The checkpoint manager, and what it saves and restores for the fault guard: the spike
+    window (training.on_spike) and the step verdicts' counts, so that a resumed run judges and
+    counts its steps as an uninterrupted one would."""
     t = cfg.training
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
@@ -184,7 +227,8 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
     window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
     if window is not None:
         ckpt.optional["spike_window"] = window
-    return ckpt, window
+    ckpt.optional["guard"] = counts = Counts()
+    return ckpt, window, counts
 
 
 def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
@@ -194,10 +238,14 @@ def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
                      meshes.dp_cp.get_group() if dims.pp > 1 else None)
 
 
-def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype) -> None:
-    """The run's first line (and the warm-up note), on rank 0."""
+def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype,
+             restart_line: str | None) -> None:
+    """The run's first line (a restarted attempt's: what failed, and where it resumed), and the
+    warm-up note, on rank 0."""
     t = cfg.training
     if dist.get_rank() == 0:
+        if restart_line:
+            print(restart_line, flush=True)
         accum = plan.global_batch_size // (t.local_batch_size * plan.dims.dp)
         print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
@@ -209,22 +257,27 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
 
 
 def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: int,
-                 heals: bool) -> tuple[MetricsLogger, Throughput, Stragglers | None]:
+                 restarted: Restart | None) -> tuple[MetricsLogger, Throughput, Stragglers | None]:
     """The run's metrics (named by job.run_name), throughput clock and straggler report; a
-    restarted attempt's line and restarts.jsonl row first (`heals`: replica groups, which heal
-    rather than resume)."""
+    restarted attempt's restarts.jsonl row first."""
     t, rank = cfg.training, dist.get_rank()
     run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
-    if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
-        restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=heals)
+    if rank == 0 and restarted is not None:  # torchrun restarted this job (fault_tolerance.max_restarts)
+        restarted.record(cfg.job.dump_folder, start_step, metrics.writer)
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
                             dist.get_world_size())
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
     return metrics, throughput, stragglers
+
+
+def stop_cause(guard: Guard) -> str:
+    if guard.vote.signal_name is None:
+        return "a signal to another rank"
+    return guard.vote.signal_name + ("" if guard.vote.users else " (torchrun ending the attempt: another rank failed)")
 
 
 def finish(dump_folder: str, guard: Guard) -> None:
@@ -240,6 +293,8 @@ def finish(dump_folder: str, guard: Guard) -> None:
 def train(cfg: JobConfig, plan: Plan) -> str | None:
     """Returns the run's last line: how it stopped after a signal, or None."""
     t, dims = cfg.training, plan.dims
+    console.quiet(cfg.job.dump_folder, config_load.world_rank())  # noise to logs/, titanlite's lines stay
+    launch.register(config_load.world_rank())
     device = start_process(cfg)
     rank = dist.get_rank()
     meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
@@ -254,31 +309,35 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
-    ckpt, window = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
+    ckpt, window, counts = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
-    start_step = ckpt.maybe_load()
+    restarted = Restart.read()  # torchrun restarted this job: what failed (its line says, once resumed)
+    start_step = ckpt.maybe_load(say=restarted is None)
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
-                   dims.dp, device, start_step) if cfg.fault_tolerance.enable else None)
+                   dims.dp, device, start_step, {"guard": counts}) if cfg.fault_tolerance.enable else None)
+    rerun = restarted.rerun(cfg.job.dump_folder) if restarted and cfg.fault_tolerance.rerun_on_nonfinite else None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
-                  set_comm_timeout=meshes.groups.set_timeout, window=window)
+                  set_comm_timeout=meshes.groups.set_timeout, window=window, counts=counts, rerun=rerun)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
-    announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
+    # after build_step, which may make the last process groups
+    announce(cfg, plan, meshes, device, dtype, restarted and restarted.line(start_step, ft is not None, rerun is not None))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
-    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     validator = build_validator(cfg, plan, meshes)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
-    metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, heals=ft is not None)
+    metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, restarted)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
+    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, window is not None)
 
     step = start_step
     while step < t.steps:
@@ -298,7 +357,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
-            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank)
+            streak = list(verdict.streak)
+            log(step, result, lr)  # the streak's last step too, read and recorded, then marked superseded
+            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank, verdict.streak or streak)
+            metrics.rewind(step)
             data_iter = iter(loader)
             throughput.last, throughput.last_step = time.perf_counter(), step
             continue
@@ -306,19 +368,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if ft is None or ft.writes_checkpoints():
             ckpt.maybe_save(step, force=verdict.stop)
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
-            guard.phase("logging")
-            losses = reduce_losses(result.out.loss_sum, result.out.extra_losses, result.out.n_targets,
-                                   plan.spec.extra_losses, plan.spec.tp_replicated_losses, once)
-            speed, eta = throughput(step)
-            metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
-                               "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
-                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
-                               **losses, **{k: float(v) for k, v in result.scalars.items()},
-                               **({} if window is None else {"spike_steps": verdict.spikes}),
-                               **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)
+            log(step, result, lr)
         if verdict.stop:
-            who = guard.vote.signal_name or "a signal to another rank"
-            stop_line = f"titanlite: stopped at step {step} after {who}"
+            stop_line = f"titanlite: stopped at step {step} after {stop_cause(guard)}"
             break
         if validator.due(step, t.steps):
             guard.phase("validation")
@@ -350,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         if "--check" in flags:
             return
         line = train(cfg, plan)
-        last_word(dist.get_rank(), 0, line)
+        last_word(dist.get_rank(), 0, line, **fault.facts(None))
     except ConfigError as e:
         rank = dist.get_rank() if dist.is_initialized() else config_load.world_rank()
         last_word(rank, 2, f"titanlite: error: {e}" + (f" [rank {rank}]" if rank else ""))
@@ -367,11 +419,12 @@ def main(argv: list[str] | None = None) -> None:
         if err is None:  # a bug: its line is the run's (before a peer's consequence), its traceback stays
             mine = in_model_code(e)
             first = (str(e).strip().splitlines() or [""])[0]
+            log = console.log_path()
             last_word(rank, 1, f"titanlite: error: the model's code failed, {mine}{where}" if mine else
-                      f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the "
-                      f"traceback is in rank {rank}'s output, LOG_RANK={rank})")
+                      f"titanlite: error: {type(e).__name__}: {first}{where} (unexpected; the traceback is in "
+                      + (str(log) if log else f"rank {rank}'s output, LOG_RANK={rank}") + ")", **fault.facts(e))
             raise
-        last_word(rank, 1, f"titanlite: error: {err}{where}")
+        last_word(rank, 1, f"titanlite: error: {err}{where}", **fault.facts(err))
         # no process-group teardown: with a peer dead or diverged it can hang or abort
         os._exit(1)
     finally:

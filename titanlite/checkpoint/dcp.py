@@ -269,9 +269,6 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.pending: tuple[Path, Path, dict, Any] | None = None
         self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
-        self.resumed_from: int | None = None
-        """The step folder this run loaded: keep_latest_k never deletes it (its successors
-        have not been read back yet)."""
         self.pg = self.stager = None
         if cfg.enable and cfg.async_mode == "async":
             # the writer thread runs its own collectives; they must not interleave with training's
@@ -302,15 +299,16 @@ class CheckpointManager:
             raise choice[0]
         return choice[0]
 
-    def maybe_load(self) -> int:
-        """Restore the chosen checkpoint, or the initial weights; returns the last completed step."""
-        step = self._load()
+    def maybe_load(self, say: bool = True) -> int:
+        """Restore the chosen checkpoint, or the initial weights; returns the last completed step.
+        `say`: print the `resumed from` line (a restart or a rollback says it in its own)."""
+        step = self._load(say)
         # what the loaded checkpoint had consumed; maybe_save adds this run's steps to it
         self._loaded_step, self._loaded_tokens = step, self.train_state.tokens_seen
         self._loaded_samples = self.data.samples_seen
         return step
 
-    def _load(self) -> int:
+    def _load(self, say: bool) -> int:
         """The newest checkpoint that loads. One whose files fail to read (a truncated or missing
         shard) is passed over with a warning for the one before it, unless checkpoint.load_step
         names it: a step asked for is never swapped for another."""
@@ -323,7 +321,7 @@ class CheckpointManager:
         for i, step in enumerate(candidates):
             path = self.root / f"step-{step}"
             try:
-                loaded = self._load_step(path)
+                loaded = self._load_step(path, say)
             except _ReadError as e:
                 failed.append(f"{path.name} ({e})")
                 if self.cfg.load_step != -1:
@@ -333,12 +331,11 @@ class CheckpointManager:
                     _warn(f"checkpoint {path} failed to load ({e}); falling back to "
                           f"{self.root}/step-{candidates[i + 1]}")
                 continue
-            self.resumed_from = step
             return loaded
         raise ConfigError(f"checkpoint: no checkpoint in {self.root} loads: {'; '.join(failed)}; move the broken "
                           "ones away to start afresh")
 
-    def _load_step(self, path: Path) -> int:
+    def _load_step(self, path: Path, say: bool) -> int:
         """Load one step folder; its reading failures (files, not config) raise _ReadError."""
         if read_info(path).get("model_only"):
             self._load_model_only(path)
@@ -353,7 +350,7 @@ class CheckpointManager:
         # absent (a run without ranges, on_spike off): no ranges, a spike window that fills anew
         states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
         _read(states, path)
-        if self.rank == 0:
+        if self.rank == 0 and say:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
         return self.train_state.step
 
@@ -488,8 +485,7 @@ class CheckpointManager:
         steps = sorted((int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)),
                        reverse=True)
         for step in steps[self.cfg.keep_latest_k:]:
-            if step != self.resumed_from:
-                shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
+            shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
     def close(self) -> None:
         """Wait until the last save is written and committed, on every rank."""

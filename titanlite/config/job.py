@@ -190,8 +190,7 @@ class Checkpoint:
     interval: int = 500
     """Save every N optimizer steps; the final step is always saved."""
     keep_latest_k: int = 0
-    """Keep only the newest K complete checkpoints, and the one this run resumed from (the last
-    known to load); 0 keeps all."""
+    """Keep only the newest K complete checkpoints (K exactly, a resume's included); 0 keeps all."""
     load_step: int = -1
     """Resume from this step's checkpoint (refused if it fails to load); -1 means the newest
     complete one that loads, passing over (with a warning) any whose files fail to read."""
@@ -239,6 +238,12 @@ class FaultTolerance:
     environment variable."""
     timeout_s: float = 60.0
     """torchft's quorum and collective timeout: how long the groups wait for each other."""
+    rerun_on_nonfinite: bool = False
+    """With max_restarts (and run_train.sh's launcher): a step stopped as non-finite
+    (training.on_nonfinite = stop) is rerun by the restarted attempt, from the newest checkpoint
+    with the same data and weights. Non-finite again: the data or the model; the run stops with
+    one line and spends no more restarts. Finite: it was transient, a suspected hardware fault,
+    recorded with its rank and host in <dump_folder>/restarts.jsonl, and the run trains on."""
 
 
 @dataclass(frozen=True)

@@ -296,6 +296,7 @@ def check_config(cfg: JobConfig) -> None:
                           "set checkpoint.enable = true to resume from it")
     _check_replicas(cfg)
     _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
+    _check_rerun(cfg)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
@@ -347,6 +348,21 @@ def _check_restarts(max_restarts: int, c: Checkpoint, replicas: bool = False) ->
         raise ConfigError(f"fault_tolerance.max_restarts {max_restarts} with checkpoint.load_step {c.load_step}: a "
                           "restart resumes from the newest checkpoint, not a fixed step; resume from it once with "
                           "max_restarts 0, or move the checkpoints after it away and leave load_step at -1")
+
+
+def _check_rerun(cfg: JobConfig) -> None:
+    f = cfg.fault_tolerance
+    if not f.rerun_on_nonfinite:
+        return
+    if not f.max_restarts:
+        raise ConfigError("fault_tolerance.rerun_on_nonfinite reruns a non-finite step in a restarted attempt; "
+                          "set fault_tolerance.max_restarts >= 1")
+    if cfg.training.on_nonfinite != "stop":
+        raise ConfigError(f"fault_tolerance.rerun_on_nonfinite reruns the step a non-finite stop ended; "
+                          f"training.on_nonfinite = {cfg.training.on_nonfinite} never stops: set it to stop")
+    if f.enable:
+        raise ConfigError("fault_tolerance.rerun_on_nonfinite reruns a step from the newest checkpoint; a replica "
+                          "group heals from its peers instead: turn one of them off")
 
 
 def check_source(path: str, key: str = "data.path") -> None:

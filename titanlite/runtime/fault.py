@@ -20,12 +20,15 @@ the same phases (set-up and the first step long, steady steps short, saves and v
 own), a little past the watchdog's deadline: the backend (NCCL's watchdog, a gloo timeout) is
 the backstop and never ends a save or a validation that is within its deadline.
 
-Tests inject faults with TITANLITE_FAULTS="kind@step[:rank],...": `nan` makes the loss
+Tests inject faults with TITANLITE_FAULTS="kind@step[:rank][/every],...": `nan` makes the loss
 NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the rank,
 `slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
 comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
 SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
-SLOW_S in the rank's step from that step on, before its votes (a straggler).
+SLOW_S in the rank's step from that step on, before its votes (a straggler). A fault fires once
+per run: not again in an attempt that torchrun restarted (titanlite.runtime.restart), nor after
+a spike rollback; with `/every` it fires once in every attempt (a fault that is the data's, not
+the machine's: fault_tolerance.rerun_on_nonfinite must find it again).
 """
 
 from __future__ import annotations
@@ -34,21 +37,22 @@ import contextlib
 import faulthandler
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
-from titanlite.runtime.launch import last_word
-from titanlite.runtime.restart import fired_faults, note_fired
+from titanlite.runtime.launch import last_word, users_signal
+from titanlite.runtime.restart import Rerun, fired_faults, note_fired
 from titanlite.runtime.spikes import SpikeWindow
+from titanlite.runtime.verdict import Counts, NonFiniteStop, StepVerdict
 
 HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 # A rank that reports a hang stays alive this long before exiting: its peers blocked in a
@@ -62,21 +66,28 @@ SPIKE_FACTOR = 1000.0
 SLOW_S = 0.5
 
 
-def parse_faults(spec: str) -> set[tuple[str, int, int | None]]:
-    """TITANLITE_FAULTS text -> {(kind, step, rank or None for every rank)}."""
+Fault = tuple[str, int, int | None, bool]
+"""(kind, step, rank or None for every rank, whether it fires in every attempt)."""
+
+
+def parse_faults(spec: str) -> set[Fault]:
+    """TITANLITE_FAULTS text -> {(kind, step, rank or None, every attempt)}."""
     faults = set()
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, _, where = item.partition("@")
+        where, slash, when = item.partition("/")
+        kind, _, where = where.partition("@")
         step, _, rank = where.partition(":")
-        if kind not in FAULT_KINDS or not step.isdigit() or (rank and not rank.isdigit()):
-            raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected {'|'.join(FAULT_KINDS)}@STEP[:RANK]")
-        faults.add((kind, int(step), int(rank) if rank else None))
+        if kind not in FAULT_KINDS or not step.isdigit() or (rank and not rank.isdigit()) or \
+                (slash and when != "every"):
+            raise ValueError(f"TITANLITE_FAULTS: bad item '{item}'; expected "
+                             f"{'|'.join(FAULT_KINDS)}@STEP[:RANK][/every]")
+        faults.add((kind, int(step), int(rank) if rank else None, bool(slash)))
     return faults
 
 
-def _spec(fault: tuple[str, int, int | None]) -> str:
-    kind, step, rank = fault
-    return f"{kind}@{step}" + ("" if rank is None else f":{rank}")
+def _spec(fault: Fault) -> str:
+    kind, step, rank, every = fault
+    return f"{kind}@{step}" + ("" if rank is None else f":{rank}") + ("/every" if every else "")
 
 
 def enable_flight_recorder(dump_folder: str) -> None:
@@ -111,6 +122,8 @@ _PHASE_DEADLINES = {"compute": "train_timeout_s", "logging": "train_timeout_s",
 
 _active: Guard | None = None
 """This process's guard while training runs, for as_run_error()."""
+_last_step: int | None = None
+"""The step the last guard closed at (facts())."""
 
 
 class Watchdog:
@@ -184,6 +197,8 @@ class StopVote:
     def __init__(self, rank: int, shutdown_timeout_s: int, watchdog: Watchdog) -> None:
         self.rank, self.shutdown_timeout_s, self.watchdog = rank, shutdown_timeout_s, watchdog
         self.signal_name: str | None = None
+        self.users = True
+        """Whether the signal was the user's, not torchrun ending an attempt (launch.users_signal)."""
         self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -195,8 +210,9 @@ class StopVote:
                 last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
                 os._exit(128 + signum)
             return
-        self.signal_name = name
-        if self.rank == 0:
+        self.signal_name, self.users = name, users_signal()
+        # torchrun's SIGTERM after another rank failed is not news: the restart's line names the cause
+        if self.rank == 0 and self.users:
             print(f"titanlite: {name} received at step {self.watchdog.step}; stopping once every rank has seen it",
                   flush=True)
         self.watchdog.shutdown(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
@@ -211,89 +227,25 @@ class StopVote:
             signal.signal(s, handler)
 
 
-class StepVerdict:
-    """What a step's summed votes decide: stop after it, skip its update (non-finite loss or
-    gradient norm under on_nonfinite = skip), or end the run with a RunError. Read on the host
-    one step late unless asked (see the module doc)."""
-
-    def __init__(self, rank: int, training: Training, window: SpikeWindow | None = None) -> None:
-        """`window`: the spike statistics when training.on_spike is on (checkpointed by the caller)."""
-        self.rank, self.training, self.window = rank, training, window
-        self.skipped = 0
-        self.spikes = 0
-        """Steps skipped as loss or gradient-norm spikes (training.on_spike skip or rollback)."""
-        self.streak: list[int] = []
-        """The steps of the current run of spikes in a row, as read (training.on_spike = rollback)."""
-        self.stop = False
-        """All ranks stop after this step: a signal reached one of them (a read verdict)."""
-        self.skip = False
-        """This step's verdict was read at once and its update is skipped (non-finite)."""
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
-
-    def __call__(self, step: int, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
-        """`votes`: (ranks signalled, ranks with a non-finite loss[, the mean loss with a spike
-        window]), summed over the world. Returns a device flag, 1.0 when this step must not
-        update (the fused optimizer's `found_inf`): non-finite, or a spike. Reads the previous
-        step's verdict if still unread, and this step's too when `read_now` or when the run
-        stops after this step (nothing may be saved unread)."""
-        bad_loss, bad_grad = votes[1] > 0, ~torch.isfinite(norm)
-        spike = (self.window.judge(votes[2], norm, bad_loss | bad_grad) if self.window is not None
-                 else torch.zeros((), dtype=torch.bool, device=norm.device))
-        verdict = torch.stack([votes[0] > 0, bad_loss, bad_grad, spike])
-        if self._pending is not None:
-            self._read(*self._pending, step)
-        self._pending = (step, *_start_host_copy(verdict))
-        self.skip = False
-        if read_now or self.stop:  # a stopping step saves and logs: it syncs anyway
-            self._read(*self._pending, step)
-        return (verdict[1] | verdict[2] | verdict[3]).float()
-
-    def _read(self, step: int, host: torch.Tensor, copied: torch.cuda.Event | None, now: int) -> None:
-        self._pending = None
-        if copied is not None:
-            copied.synchronize()
-        stop, bad_loss, bad_grad, spike = host.tolist()
-        self.stop = self.stop or stop
-        self.streak = [*self.streak, step] if spike else []
-        if not (bad_loss or bad_grad or spike):
-            return
-        what = "loss" if bad_loss else "gradient norm"
-        if spike:
-            self.spikes += 1
-            t = self.training
-            what = (f"loss or gradient norm over training.spike_sigmas ({t.spike_sigmas:g}) standard deviations "
-                    f"above the last {t.spike_window} steps' mean (training.on_spike = {t.on_spike})")
-        elif self.training.on_nonfinite == "stop":
-            raise RunError(f"step {step}: non-finite {what} (training.on_nonfinite = stop); no update "
-                           "was applied and the last checkpoint is kept. Lower optimizer.lr, check the "
-                           "data, or set training.on_nonfinite = skip")
-        self.skip = step == now
-        self.skipped += 1
-        if self.skipped > self.training.max_skipped_steps:
-            raise RunError(f"step {step}: {self.skipped} steps with non-finite loss or gradients, more "
-                           f"than training.max_skipped_steps ({self.training.max_skipped_steps}); stopping")
-        if self.rank == 0:
-            print(f"titanlite: warning: step {step}: {'' if spike else 'non-finite '}{what}; optimizer step skipped "
-                  f"({self.skipped} of at most {self.training.max_skipped_steps})", file=sys.stderr, flush=True)
-
-
 class Guard:
     """One rank's watchdog, stop vote and step verdict, and the faults TITANLITE_FAULTS injects."""
 
     def __init__(self, rank: int, dump_folder: str, comm: Comm, training: Training, shutdown_timeout_s: int,
                  start_step: int = 0, set_comm_timeout: Callable[[float], None] = lambda seconds: None,
-                 window: SpikeWindow | None = None) -> None:
+                 window: SpikeWindow | None = None, counts: Counts | None = None, rerun: Rerun | None = None) -> None:
         """`set_comm_timeout(seconds)`: the timeout of the process groups' collectives from now on
-        (titanlite.parallel.mesh.Groups.set_timeout); `window`: StepVerdict's."""
+        (titanlite.parallel.mesh.Groups.set_timeout); `window`, `counts`, `rerun`: StepVerdict's."""
         self.rank, self.comm = rank, comm
         self.hang_folder = Path(dump_folder) / "hang"
         # once per launch: not again in an attempt torchrun restarted (titanlite.runtime.restart)
         fired = fired_faults()
-        self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if _spec(f) not in fired}
+        self.faults = {f for f in parse_faults(os.environ.get("TITANLITE_FAULTS", "")) if f[3] or _spec(f) not in fired}
         self.watchdog = Watchdog(rank, self.hang_folder, comm, start_step + 1, set_comm_timeout)
         self.vote = StopVote(rank, shutdown_timeout_s, self.watchdog)
-        self.verdict = StepVerdict(rank, training, window)
-        self._slow_from = min((s for k, s, r in self.faults if k == "slow" and r in (None, rank)), default=None)
+        self.verdict = StepVerdict(rank, training, window, counts, rerun)
+        self._slow = min((f for f in self.faults if f[0] == "slow" and f[2] in (None, rank)), key=lambda f: f[1],
+                         default=None)
+        self._own: torch.Tensor | None = None
         self._step_start = time.perf_counter()
         self._host_s = 0.0
         self._events: list[torch.cuda.Event] = []
@@ -328,15 +280,16 @@ class Guard:
         """This rank's votes for the step's all-reduce: signalled, non-finite loss, and with a
         spike window `loss_share`, this rank's share of the step's mean loss (summed over the
         world, the loss the window judges). The rank's own step time ends here."""
-        if self._slow_from is not None and self.step >= self._slow_from:
-            if self.step == self._slow_from:
-                note_fired(_spec(next(f for f in self.faults if f[0] == "slow" and f[1] == self._slow_from)))
+        if self._slow is not None and self.step >= self._slow[1]:
+            if self.step == self._slow[1]:
+                note_fired(_spec(self._slow))
             time.sleep(SLOW_S)  # before the step's closing all-reduce: this rank's own time grows
         self._host_s = time.perf_counter() - self._step_start
         if self._events:
             self._events.append(torch.cuda.Event(enable_timing=True))
             self._events[-1].record()
         votes = [self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()]
+        self._own = votes[1]  # which rank it was, should the run stop on it
         return torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
 
     @property
@@ -352,16 +305,17 @@ class Guard:
 
     def decide(self, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
         """The step's verdict from the global norm and the summed votes (StepVerdict)."""
-        return self.verdict(self.step, norm, votes, read_now)
+        return self.verdict(self.step, norm, votes, read_now, self._own)
 
     def rolled_back(self, step: int) -> None:
-        """The run went back to `step` (a spike rollback): the verdict still unread is of a step
-        undone, and each injected fault has fired (once per run, as after a restart)."""
+        """The run went back to `step` (a spike rollback; the verdicts were read, StepVerdict.flush):
+        each injected fault up to now has fired (once per run, as after a restart)."""
         self.faults = {f for f in self.faults if f[1] > self.step}
-        self.verdict._pending, self.verdict.streak, self.watchdog.step = None, [], step
+        self.verdict.counts.streak, self.watchdog.step = [], step
 
     def _injected(self, kind: str) -> bool:
-        fault = next((f for f in [(kind, self.step, self.rank), (kind, self.step, None)] if f in self.faults), None)
+        fault = next((f for f in sorted(self.faults, key=str) if f[:2] == (kind, self.step) and f[2] in (None, self.rank)),
+                     None)
         if fault is not None:
             note_fired(_spec(fault))
         return fault is not None
@@ -382,20 +336,18 @@ class Guard:
     def close(self) -> None:
         self.watchdog.close()
         self.vote.close()
-        global _active
-        _active = None
+        global _active, _last_step
+        _active, _last_step = None, self.step
 
 
-def _start_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A host copy of a small device tensor, and the event that marks it complete; waiting
-    on that event later waits only for the work queued before it, not for later steps."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
+def facts(err: BaseException | None) -> dict[str, Any]:
+    """What this rank's report adds for a restarted attempt (titanlite.runtime.restart): the step
+    it was in, and for a non-finite stop, which step and whether this rank's loss it was."""
+    step = _last_step if _active is None else _active.step
+    out: dict[str, Any] = {} if step is None else {"step": step}
+    if isinstance(err, NonFiniteStop):
+        out |= {"nonfinite": {"step": err.step, "what": err.what, "own": err.own}, "final": err.final}
+    return out
 
 
 def defer_to_watchdog() -> None:

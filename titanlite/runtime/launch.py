@@ -20,9 +20,15 @@ into a 30-line report and exit 1, whatever the rank said. Here:
 * With fault_tolerance.max_restarts, torchrun's elastic agent restarts every rank after a
   failure (`--max-restarts`); each attempt reports in a folder of its own (attempt-K, K from
   TORCHELASTIC_RESTART_COUNT) and the run ends with the last attempt's verdict. A bad config
-  (exit 2) would fail the same way again: at its report the launcher stops torchrun before it
-  restarts anything. So does a stop signal (the ranks stop and save as above; torchrun must not
-  restart a rank that then fails).
+  (exit 2), or a report marked `final` (a non-finite step that recurred on its rerun), would
+  fail the same way again: at its report the launcher stops torchrun before it restarts
+  anything. So does a stop signal (the ranks stop and save as above; torchrun must not restart a
+  rank that then fails).
+* So that a restarted attempt can name a rank that died without a word: each rank registers its
+  process id in its attempt's folder, and the agent notes how each rank that exits non-zero
+  ended (`exits/`, at SIGCHLD, before torchrun reaps it). The launcher notes each stop signal it
+  passes on (`signalled`): a rank that gets a SIGTERM nobody noted is being stopped by torchrun
+  after another rank failed, and does not report it as the user's.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ import time
 from pathlib import Path
 
 REPORT_DIR_ENV = "TITANLITE_REPORT_DIR"
+RUN_STARTED_ENV = "TITANLITE_RUN_STARTED"  # one default run name for every attempt of a launch
+SIGNALLED = "signalled"  # the launcher passed a stop signal on (titanlite.runtime.fault.StopVote)
+EXITS = "exits"  # the agent's record of ranks that exited non-zero, by process id
 KILL_AFTER_SECOND_SIGINT_S = 10  # a rank blocked in native code cannot run its handler
 
 
@@ -60,21 +69,52 @@ def read_reports(folder: Path) -> dict[int, dict]:
     return {int(p.stem[5:]): json.loads(p.read_text()) for p in folder.glob("rank-*.json")}
 
 
-def last_word(rank: int, code: int, line: str | None) -> None:
+def last_word(rank: int, code: int, line: str | None, **facts: object) -> None:
     """A rank's outcome: its exit code and the line that should end the run's output (None:
-    nothing to say). Under the launcher it is left for the launcher to print after torchrun's
-    teardown; otherwise rank 0's line, and any rank's error, is printed now."""
+    nothing to say), and `facts` for the attempt after a restart (titanlite.runtime.restart):
+    the step, `final` (no restart can help: the launcher stops torchrun, as after exit 2).
+    Under the launcher it is left for the launcher to print after torchrun's teardown;
+    otherwise rank 0's line, and any rank's error, is printed now."""
     folder = attempt_folder(attempt())
     if folder:
         path = folder / f"rank-{rank}.json"
         tmp = path.with_suffix(".tmp")
         with contextlib.suppress(OSError):  # then say it here rather than not at all
             folder.mkdir(exist_ok=True)
-            tmp.write_text(json.dumps({"code": code, "line": line, "time": time.time()}))
+            tmp.write_text(json.dumps({"code": code, "line": line, "time": time.time(), **facts}))
             os.replace(tmp, path)
             return
     if line is not None and (code or rank == 0):
         print(line, file=sys.stderr if code else sys.stdout, flush=True)
+
+
+def register(rank: int) -> None:
+    """A rank's first word under the launcher: its process id, by which the agent names the
+    rank should it die without a word (a SIGKILL, a segfault)."""
+    folder = attempt_folder(attempt())
+    if folder:
+        with contextlib.suppress(OSError):
+            folder.mkdir(exist_ok=True)
+            (folder / f"rank-{rank}.pid").write_text(str(os.getpid()))
+
+
+def read_exits(folder: Path) -> dict[int, dict]:
+    """{rank: {"signal" or "code", "time"}} of one attempt's ranks that the agent saw exit
+    non-zero (those that had registered)."""
+    exits = Path(folder.parent, EXITS)
+    out = {}
+    for p in folder.glob("rank-*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            out[int(p.name[5:-4])] = json.loads((exits / f"{int(p.read_text())}.json").read_text())
+    return out
+
+
+def users_signal() -> bool:
+    """Whether a SIGTERM or SIGINT this rank got is the user's (or a scheduler's), not torchrun
+    ending an attempt after another rank failed: the launcher notes each signal it passes on
+    before it does. Outside the launcher every signal counts as the user's."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    return not folder or Path(folder, SIGNALLED).exists()
 
 
 # -- the launcher ------------------------------------------------------------------------
@@ -155,11 +195,16 @@ def _verdict(reports: dict[int, dict], result: dict | None, signals: list[int], 
     return 0, lines[0] if lines else None
 
 
+def _final(report: dict) -> bool:
+    """A report no restart can change: a bad config (exit 2), or one that says so (`final`)."""
+    return report["code"] == 2 or bool(report.get("final"))
+
+
 def _final_attempt(folder: Path) -> tuple[int, dict[int, dict]]:
     """The attempt that decides the run and its reports: the one that refused the config (exit
-    2), else the last that reported."""
+    2) or said no restart would help, else the last that reported."""
     attempts = sorted((int(p.name[8:]), read_reports(p)) for p in folder.glob("attempt-*"))
-    refused = [(k, reports) for k, reports in attempts if any(r["code"] == 2 for r in reports.values())]
+    refused = [(k, reports) for k, reports in attempts if any(_final(r) for r in reports.values())]
     if refused:
         return refused[0]
     return attempts[-1] if attempts else (0, {})
@@ -181,6 +226,8 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         signals.append(signum)
+        with contextlib.suppress(OSError):  # before the ranks see it: they say it was the user's
+            (folder / SIGNALLED).write_text(signal.Signals(signum).name)
         # the first signal stops the run; a second SIGINT ends it now; repeated SIGTERMs (as
         # schedulers send) change nothing
         if agent is not None and (len(signals) == 1 or signals.count(signal.SIGINT) == 2 == len(signals)):
@@ -192,8 +239,8 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
     try:
         cmd = [sys.executable, "-m", "titanlite.runtime.launch", "--agent", str(folder / "agent.json"), str(log),
                *torchrun_args, "-m", "titanlite.train", *train_args]
-        agent = subprocess.Popen(cmd, env={**os.environ, REPORT_DIR_ENV: str(folder)}, start_new_session=True,
-                                 preexec_fn=_die_with_parent)
+        env = {**os.environ, REPORT_DIR_ENV: str(folder), RUN_STARTED_ENV: time.strftime("%Y%m%d-%H%M%S")}
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         if signals:  # arrived while it was starting
             _forward(agent, signals[0])
             if restarts:
@@ -201,7 +248,7 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
         killed_at, refused = None, False
         while agent.poll() is None:
             time.sleep(0.1)
-            if restarts and not refused and any(r["code"] == 2 for p in folder.glob("attempt-*")
+            if restarts and not refused and any(_final(r) for p in folder.glob("attempt-*")
                                                 for r in read_reports(p).values()):
                 refused = True  # a bad config fails again on every attempt: no restart
                 _end_agent(agent)
@@ -228,6 +275,33 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
 
 # -- the agent ---------------------------------------------------------------------------
 
+def _note_exits(folder: Path) -> None:
+    """In the agent: how each rank that exits non-zero ended, written to <folder>/exits/PID.json
+    at once (SIGCHLD), before torchrun reaps it: waitid with WNOWAIT leaves the child to torchrun.
+    A restarted attempt names a rank killed without a word by it (`rank 1 was killed by SIGKILL`)."""
+    if not hasattr(os, "waitid"):
+        return  # macOS: such a rank is named without its signal
+    exits = folder / EXITS
+    exits.mkdir(exist_ok=True)
+    seen: set[int] = set()
+
+    def on_child(signum: int, frame: object) -> None:
+        for pid in set(_ranks_of(os.getpid())) - seen:
+            with contextlib.suppress(ChildProcessError, OSError, ValueError):
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is None:
+                    continue
+                seen.add(pid)
+                if info.si_code == os.CLD_EXITED:
+                    how = {"code": info.si_status}
+                else:
+                    how = {"signal": signal.Signals(info.si_status).name}
+                if how != {"code": 0}:
+                    (exits / f"{pid}.json").write_text(json.dumps({**how, "time": time.time()}))
+
+    signal.signal(signal.SIGCHLD, on_child)
+
+
 def agent(result: str, log: str, torchrun_argv: list[str]) -> None:
     """torchrun in this process, its own output in `log`; what it saw goes to `result` as JSON:
     {"failures": {rank: exit code}} (empty when all succeeded; null when torchrun was stopped by
@@ -236,6 +310,7 @@ def agent(result: str, log: str, torchrun_argv: list[str]) -> None:
     # Python-level only, before torch sets up its logging: file descriptors 1 and 2, which the
     # ranks inherit, stay the terminal's
     sys.stdout = sys.stderr = out
+    _note_exits(Path(result).parent)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -2,9 +2,9 @@
 replicate dimension, each its own torchrun job, joined per step by torchft's Manager.
 
 Each step (`begin`) asks the lighthouse for a quorum: the groups alive now. A group that is behind
-(restarted, or new) heals first: it receives model, optimizer, schedule, step and data cursor from
-a live peer (`_state` / `_load`, through torchft's HTTP checkpoint transport, each rank from the
-same rank of the peer, so FSDP shards match). The step's global batch is then split over the
+(restarted, or new) heals first: it receives model, optimizer, schedule, step, data cursor and the
+fault guard's counts from a live peer (`heal_state` / `load_heal_state`, through torchft's HTTP
+checkpoint transport, each rank from the same rank of the peer, so FSDP shards match). The step's global batch is then split over the
 groups of the quorum by their rank in it (`batches`), the target-token count and the gradients
 are summed over the quorum (`count`, `sync`), and the optimizer steps only if every group of the
 quorum still agrees (`should_commit`); otherwise the step is retried on the same batch. The loss
@@ -70,14 +70,16 @@ class Replicas:
 
     def __init__(self, f: FaultTolerance, parts: list[nn.Module], optimizers: Any, loader: Any,
                  global_batch_size: int, local_batch_size: int, dp: int, device: torch.device,
-                 start_step: int) -> None:
+                 start_step: int, extra: dict[str, Any] | None = None) -> None:
+        """`extra`: more state a healing group takes from its peer ({name: a state_dict()/
+        load_state_dict() object}: the fault guard's counts)."""
         # torchft's Rust side logs about 8 INFO lines a step to the terminal; RUST_LOG=info brings them back
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         check_split(f, global_batch_size, local_batch_size, dp)
-        self.parts, self.optimizers, self.loader = parts, optimizers, loader
+        self.parts, self.optimizers, self.loader, self.extra = parts, optimizers, loader, extra or {}
         self.global_batch_size, self.local_batch_size, self.dp = global_batch_size, local_batch_size, dp
         self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
         self.step = start_step
@@ -200,48 +202,64 @@ class Replicas:
 
     # -- healing --
 
-    def _named(self) -> list[tuple[int, tuple[nn.Module, torch.optim.Optimizer]]]:
-        o = self.optimizers
-        return list(enumerate(zip(o.parts, o.optimizers)))
-
     def _state(self) -> dict[str, Any]:
-        """What a healing peer's same rank needs, as plain local tensors (its shards match ours)."""
-        model = {n: _local(p).detach() for part in self.parts for n, p in part.named_parameters()}
-        optim, groups = {}, []
-        for i, (part, opt) in self._named():
-            names = {p: n for n, p in part.named_parameters()}
-            for p, st in opt.state.items():
-                optim[f"{i}/{names[p]}"] = {k: (_local(v).detach(), isinstance(v, DTensor), str(v.device))
-                                            if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            groups.append([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
-        sched = [s.state_dict() for s in self.optimizers.schedulers]
-        for s in sched:
-            s.pop("lr_lambdas", None)  # rebuilt from the config
-        return {"model": model, "optim": optim, "param_groups": groups, "schedulers": sched, "step": self.step,
-                "skip": self.loader.batch_sampler.skip, "rng": torch.get_rng_state()}
+        return heal_state(self.parts, self.optimizers, self.loader, self.step, self.extra)
 
     def _load(self, sd: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for part in self.parts:
-                for n, p in part.named_parameters():
-                    _local(p).copy_(sd["model"][n])
-            for i, (part, opt) in self._named():
-                for n, p in part.named_parameters():
-                    if (st := sd["optim"].get(f"{i}/{n}")) is not None:
-                        opt.state[p] = {k: self._tensor(p, v) if isinstance(v, tuple) else v for k, v in st.items()}
-                for g, saved in zip(opt.param_groups, sd["param_groups"][i]):
-                    g.update(saved)
-        for s, saved in zip(self.optimizers.schedulers, sd["schedulers"]):
-            s.load_state_dict({**s.state_dict(), **saved})
-        self.loader.batch_sampler.set_skip(sd["skip"])
-        torch.set_rng_state(sd["rng"])
-        self.healed_to = sd["step"]
+        self.healed_to = load_heal_state(sd, self.parts, self.optimizers, self.loader, self.extra)
 
-    @staticmethod
-    def _tensor(p: torch.Tensor, saved: tuple[torch.Tensor, bool, str]) -> torch.Tensor:
-        local, sharded, device = saved
-        local = local.to(device)
-        if not sharded:
-            return local
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+
+def _named(optimizers: Any) -> list[tuple[int, tuple[nn.Module, torch.optim.Optimizer]]]:
+    return list(enumerate(zip(optimizers.parts, optimizers.optimizers)))
+
+
+def heal_state(parts: list[nn.Module], optimizers: Any, loader: Any, step: int,
+               extra: dict[str, Any]) -> dict[str, Any]:
+    """What a healing peer's same rank needs, as plain local tensors (its shards match ours):
+    parameters, optimizer state (AdamW's moments, Muon's momentum) and param groups, schedules,
+    step, skipped sample ranges, RNG, and each `extra` object's state_dict()."""
+    model = {n: _local(p).detach() for part in parts for n, p in part.named_parameters()}
+    optim, groups = {}, []
+    for i, (part, opt) in _named(optimizers):
+        names = {p: n for n, p in part.named_parameters()}
+        for p, st in opt.state.items():
+            optim[f"{i}/{names[p]}"] = {k: (_local(v).detach(), isinstance(v, DTensor), str(v.device))
+                                        if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        groups.append([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    sched = [s.state_dict() for s in optimizers.schedulers]
+    for s in sched:
+        s.pop("lr_lambdas", None)  # rebuilt from the config
+    return {"model": model, "optim": optim, "param_groups": groups, "schedulers": sched, "step": step,
+            "skip": loader.batch_sampler.skip, "rng": torch.get_rng_state(),
+            "extra": {k: v.state_dict() for k, v in extra.items()}}
+
+
+def load_heal_state(sd: dict[str, Any], parts: list[nn.Module], optimizers: Any, loader: Any,
+                    extra: dict[str, Any]) -> int:
+    """heal_state's dict into this rank's objects; returns the peer's step."""
+    with torch.no_grad():
+        for part in parts:
+            for n, p in part.named_parameters():
+                _local(p).copy_(sd["model"][n])
+        for i, (part, opt) in _named(optimizers):
+            for n, p in part.named_parameters():
+                if (st := sd["optim"].get(f"{i}/{n}")) is not None:
+                    opt.state[p] = {k: _restored(p, v) if isinstance(v, tuple) else v for k, v in st.items()}
+            for g, saved in zip(opt.param_groups, sd["param_groups"][i]):
+                g.update(saved)
+    for s, saved in zip(optimizers.schedulers, sd["schedulers"]):
+        s.load_state_dict({**s.state_dict(), **saved})
+    loader.batch_sampler.set_skip(sd["skip"])
+    torch.set_rng_state(sd["rng"])
+    for k, v in extra.items():
+        v.load_state_dict(sd["extra"][k])
+    return sd["step"]
+
+
+def _restored(p: torch.Tensor, saved: tuple[torch.Tensor, bool, str]) -> torch.Tensor:
+    """An optimizer state tensor as heal_state sent it, back on its device (and mesh, if sharded)."""
+    local, sharded, device = saved
+    local = local.to(device)
+    if not sharded:
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

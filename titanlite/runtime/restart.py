@@ -2,12 +2,21 @@
 
 torchrun's elastic agent restarts every rank after a failure and tells each how many times it
 has (TORCHELASTIC_RESTART_COUNT). The failed attempt's ranks left their last words in the
-launcher's report folder (titanlite.runtime.launch); rank 0 of the new attempt reads them, says
-in one line why the job restarted and from which step it resumes, and records it in
-<dump_folder>/restarts.jsonl and TensorBoard (train/restarts).
+launcher's report folder, and the agent noted how each rank that died without one ended
+(titanlite.runtime.launch); rank 0 of the new attempt says in one line what failed, at which
+step, and where it resumes (`rank 1 was killed by SIGKILL at step 5; restart 1 of at most 2,
+resuming from step 3`), and records it in <dump_folder>/restarts.jsonl and TensorBoard
+(train/restarts).
+
+With fault_tolerance.rerun_on_nonfinite, an attempt that stopped on a non-finite step S is
+rerun: the next attempt resumes from the newest checkpoint, before S, with the same data and
+weights (resume is bitwise). Non-finite at S again, it is the data or the model, and the run
+stops for good (titanlite.runtime.fault.StepVerdict); finite, it was transient: a suspected
+hardware fault, a restarts.jsonl row with the ranks and hosts it happened on (`Rerun.transient`).
 
 Injected faults (TITANLITE_FAULTS) fire once per launch, not once per attempt: a fault notes
-itself in the report folder before it acts, and later attempts leave out what was noted.
+itself in the report folder before it acts, and later attempts leave out what was noted
+(`/every` faults excepted: titanlite.runtime.fault).
 """
 
 from __future__ import annotations
@@ -15,11 +24,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titanlite.runtime.launch import REPORT_DIR_ENV, attempt, attempt_folder, read_reports
+import torch.distributed as dist
+
+from titanlite.runtime.launch import REPORT_DIR_ENV, attempt, attempt_folder, read_exits, read_reports
 
 FIRED = "faults-fired.txt"
 
@@ -34,37 +48,114 @@ def _unranked(line: str) -> str:
     return re.sub(r" \[rank \d+\]$", "", line.removeprefix("titanlite: error: "))
 
 
-def failure_cause(reports: dict[int, dict], ranks: range) -> tuple[int | None, str]:
-    """(rank, why) of an attempt that failed, from this node's reports: the earliest error,
-    unless it only says a peer failed and a rank here ended without a word (killed or crashed),
-    which is then the cause."""
+def failure_cause(reports: dict[int, dict], ranks: range, exits: dict[int, dict] | None = None
+                  ) -> tuple[int | None, str]:
+    """(rank, why) of an attempt that failed, from this node's reports and `exits` (how ranks
+    that said nothing ended): the earliest error, unless it only says a peer failed and a rank
+    here ended without a word (killed or crashed), which is then the cause, at the step its
+    peers were in. torchrun's SIGTERM to the other ranks, after the failure, is no cause."""
+    exits = exits or {}
     errors = sorted((r["time"], rank) for rank, r in reports.items() if r["code"] not in (0, None))
     silent = [rank for rank in ranks if rank not in reports]
     if silent and (not errors or "a peer rank" in (reports[errors[0][1]]["line"] or "")):
-        return silent[0], f"rank {silent[0]} ended without a titanlite message (killed or crashed)"
+        dead = sorted((exits[r]["time"], r) for r in silent if r in exits and exits[r].get("signal") != "SIGTERM")
+        rank = dead[0][1] if dead else silent[0]
+        how = exits.get(rank, {})
+        steps = [r["step"] for r in reports.values() if r.get("step")]
+        at = f" at step {max(steps)}" if steps else ""
+        if "signal" in how:
+            return rank, f"rank {rank} was killed by {how['signal']}{at}"
+        if "code" in how:
+            return rank, f"rank {rank} exited with code {how['code']}{at} without a titanlite message"
+        return rank, f"rank {rank} ended{at} without a titanlite message (killed or crashed)"
+    stops = [(rank, r["nonfinite"]) for rank, r in sorted(reports.items()) if r.get("nonfinite")]
+    if stops:  # every rank says it: name the ranks whose own loss it was
+        own = [rank for rank, n in stops if n["own"]]
+        return (own or [None])[0], f"step {stops[0][1]['step']}: non-finite {stops[0][1]['what']}" + (
+            f" on rank {', '.join(map(str, own))}" if own else "")
     if errors:
         rank = errors[0][1]
         return rank, _unranked(reports[rank]["line"] or f"rank {rank} failed")
     return None, "a rank on another node failed (its node's launcher output names it)"
 
 
-def record(dump_folder: str, resumed_from: int, tensorboard: Any | None, heals: bool = False) -> None:
-    """On rank 0 of a restarted attempt: the restart's line, its restarts.jsonl row and the
-    train/restarts scalar (at the step it resumes from). `heals`: a replica group, which takes
-    a live peer's state at its first step (titanlite.runtime.replicas)."""
-    k = attempt()
-    folder = attempt_folder(k - 1)
-    rank, cause = failure_cause(read_reports(folder) if folder else {}, _node_ranks())
-    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-    start = (f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)") + (
-        ", then healing from a live replica group" if heals else "")
-    print(f"titanlite: restart {k} of at most {limit} after {cause}; resuming from {start}", flush=True)
-    row = {"restart": k, "max_restarts": int(limit) if limit.isdigit() else None, "rank": rank, "cause": cause,
-           "resumed_from": resumed_from, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+@dataclass(frozen=True)
+class Restart:
+    """What attempt k (> 0) knows of attempt k - 1, from this node's reports."""
+
+    k: int
+    limit: str
+    rank: int | None
+    cause: str
+    nonfinite_step: int | None
+    """The step attempt k - 1 stopped at as non-finite, if it did."""
+    nonfinite_here: bool
+    """This rank's own loss was the non-finite one."""
+
+    @classmethod
+    def read(cls) -> Restart | None:
+        """None in the first attempt (or outside the launcher's restarts)."""
+        k = attempt()
+        folder = attempt_folder(k - 1) if k else None
+        if folder is None:
+            return None
+        reports = read_reports(folder) if folder.is_dir() else {}
+        rank, cause = failure_cause(reports, _node_ranks(), read_exits(folder) if folder.is_dir() else {})
+        mine = reports.get(int(os.environ.get("RANK", "0")), {}).get("nonfinite") or {}
+        step = next((r["nonfinite"]["step"] for r in reports.values() if r.get("nonfinite")), None)
+        return cls(k, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), rank, cause, step, bool(mine.get("own")))
+
+    def line(self, resumed_from: int, heals: bool, rerun: bool) -> str:
+        """The restart's one line, said once the attempt has resumed."""
+        start = f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)"
+        return (f"titanlite: {self.cause}; restart {self.k} of at most {self.limit}, resuming from {start}"
+                + (", then healing from a live replica group" if heals else "")
+                + (f", to rerun step {self.nonfinite_step} with the same data (fault_tolerance.rerun_on_nonfinite)"
+                   if rerun and self.nonfinite_step else ""))
+
+    def rerun(self, dump_folder: str) -> Rerun | None:
+        """The rerun of the step attempt k - 1 stopped at as non-finite, if it did."""
+        return None if self.nonfinite_step is None else Rerun(self.nonfinite_step, self.nonfinite_here, dump_folder)
+
+    def record(self, dump_folder: str, resumed_from: int, tensorboard: Any | None) -> None:
+        """Rank 0: the restart's restarts.jsonl row and the train/restarts scalar (at the step it
+        resumes from)."""
+        _append(dump_folder, {"restart": self.k, "max_restarts": int(self.limit) if self.limit.isdigit() else None,
+                              "rank": self.rank, "cause": self.cause, "resumed_from": resumed_from})
+        if tensorboard is not None:
+            tensorboard.add_scalar("train/restarts", self.k, resumed_from)
+
+
+def _append(dump_folder: str, row: dict) -> None:
     with open(Path(dump_folder) / "restarts.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if tensorboard is not None:
-        tensorboard.add_scalar("train/restarts", k, resumed_from)
+        f.write(json.dumps({**row, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+
+
+@dataclass
+class Rerun:
+    """A restarted attempt's rerun of the step its predecessor stopped at as non-finite
+    (fault_tolerance.rerun_on_nonfinite); titanlite.runtime.fault.StepVerdict judges it."""
+
+    step: int
+    here: bool
+    """This rank's loss was the non-finite one last time."""
+    dump_folder: str
+
+    def transient(self) -> None:
+        """Collective (every rank reads the same verdict): the step is finite this time. Rank 0
+        names the ranks and hosts it was non-finite on, in a warning and a restarts.jsonl row."""
+        who: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(who, (self.here, socket.gethostname()))
+        if dist.get_rank() != 0:
+            return
+        ranks = [r for r, (here, _) in enumerate(who) if here]
+        hosts = sorted({who[r][1] for r in ranks})
+        where = ", ".join(f"{r} ({who[r][1]})" for r in ranks) or "?"
+        _append(self.dump_folder, {"suspected_hardware_fault": True, "step": self.step, "ranks": ranks,
+                                   "hosts": hosts})
+        print(f"titanlite: warning: step {self.step} is finite when rerun with the same data and weights: its "
+              f"non-finite result on rank {where} was transient, a suspected hardware fault (recorded in "
+              f"{Path(self.dump_folder) / 'restarts.jsonl'}); training on", file=sys.stderr, flush=True)
 
 
 def fired_faults() -> set[str]:
