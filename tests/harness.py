@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,15 @@ class Run:
     def metrics(self) -> list[dict]:
         """Training rows (validation writes rows of its own)."""
         return [row for row in self.rows if "loss" in row]
+
+    @property
+    def line(self) -> dict[int, dict]:
+        """The run's line: {step: its training row}, from the rows no restart or rollback
+        superseded; there is one such row per step logged."""
+        live = [row for row in self.metrics if not row.get("superseded")]
+        steps = [row["step"] for row in live]
+        assert len(steps) == len(set(steps)), f"two live rows for one step: {steps}"
+        return {row["step"]: row for row in live}
 
     @property
     def val_losses(self) -> list[tuple[int, float]]:
@@ -127,6 +137,11 @@ def _run_rank(cmd: list[str], env: dict[str, str], log: str) -> None:
     """Child side: become `python *cmd` with `env`, writing to `log`."""
     os.environ.clear()
     os.environ.update(env)
+    # the fork server's warning filters came from its own PYTHONWARNINGS: take the rank's
+    warnings.resetwarnings()
+    warnings.simplefilter(env.get("PYTHONWARNINGS", "default"))  # type: ignore[arg-type]
+    # runpy's note that the server preloaded the module it runs: this harness's doing, not the rank's
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
     os.chdir(REPO)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
@@ -230,19 +245,22 @@ def train(nproc: int, args: list[str], **kwargs) -> Run:
 _REFERENCES: dict[tuple[str, ...], Run] = {}
 
 
-def reference(args: list[str]) -> Run:
-    """Single-process run of the same job, shared by every test in the session."""
-    key = tuple(args)
+def reference(args: list[str], env: dict[str, str] | None = None) -> Run:
+    """Single-process run of the same job (and injected faults), shared by every test in the session."""
+    key = (tuple(args), tuple(sorted((env or {}).items())))
     if key not in _REFERENCES:
-        _REFERENCES[key] = train(1, args)
+        _REFERENCES[key] = train(1, args, env=env)
     return _REFERENCES[key]
 
 
 def assert_parity(ref: list[float], got: list[float], first_rtol: float = 1e-6, rtol: float = 1e-4) -> None:
+    """Loss parity, step by step; a step whose loss is NaN in both (an injected fault, skipped) matches."""
     assert len(ref) == len(got) and len(ref) >= 10, (ref, got)
     first = abs(got[0] - ref[0]) / abs(ref[0])
     assert first <= first_rtol, f"first-step loss {got[0]!r} vs {ref[0]!r}: rel diff {first:.2e} > {first_rtol}"
     for step, (a, b) in enumerate(zip(ref, got), start=1):
+        if a != a and b != b:
+            continue
         rel = abs(a - b) / abs(a)
         assert rel <= rtol, f"step {step}: loss {b!r} vs {a!r}: rel diff {rel:.2e} > {rtol}"
 

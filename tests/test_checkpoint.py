@@ -128,8 +128,8 @@ def test_kill_during_save_keeps_the_previous_checkpoint(straight1, tmp_path):
     got = losses_by_step(tmp_path)
     assert [got[s] for s in range(6, 21)] == ref[5:]
     assert_same_tensors(straight1 / "checkpoint" / "step-20", ckpt / "step-20")
-    # keep_latest_k 2, and the step the run resumed from: the last one known to load
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-15", "step-20", "step-5"]
+    # keep_latest_k 2: the newest two, exactly (the step it resumed from, and the bogus folder, gone)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-15", "step-20"]
 
 
 def test_export_writes_bf16_model_only(straight1):

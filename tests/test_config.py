@@ -161,3 +161,18 @@ def test_warmup_longer_than_the_run_is_shortened_to_fit():
     assert [lr_factor(k, s, 3) for k in range(3)] == [lr_factor(k, dataclasses.replace(s, warmup_steps=2), 3) for k in range(3)]
     assert "warming up for 2 steps instead" in warmup_note(s, 3)
     assert warmup_note(s, 11) is None
+
+
+def test_the_readme_lists_every_config_section(capsys):
+    """README's "A job is a TOML file with the sections `...`" names every section --print-config
+    prints (read from the code: a new section must be added to that README line)."""
+    import re
+    from pathlib import Path
+
+    from titanlite.train import main
+
+    main(["--print-config"])
+    printed = re.findall(r"^\[(\w+)\]$", capsys.readouterr().out, re.M)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = re.search(r"A job is a TOML file with the sections `([^`]*)`", readme).group(1)
+    assert sorted(s.strip() for s in listed.split(",")) == sorted(printed) and len(printed) >= 17, (listed, printed)

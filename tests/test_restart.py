@@ -1,5 +1,5 @@
 """Unattended recovery: a corrupt newest checkpoint is passed over for the one before it, and
-(with fault_tolerance.max_restarts) a killed or hung rank restarts the job from the newest
+(with fault_tolerance.max_restarts) a killed, hung or NaN rank restarts the job from the newest
 complete checkpoint, logging the losses of a run that never failed."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from harness import TINY, Run, launch, train
 from test_launcher import output, run_sh
 
@@ -31,7 +32,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     assert named.returncode == 2 and len(errors) == 1, named.output[-3000:]
     refused = f"titanlite: error: checkpoint.load_step 9: {folder / 'step-9'} failed to load ("
     assert errors[0].startswith(refused), errors
-    # resuming by itself: one line, then the step before; keep_latest_k 1 keeps the one that loaded
+    # resuming by itself: one line, then the step before; keep_latest_k 1 keeps one, the newest
     again = train(1, [*args, "--checkpoint.keep_latest_k", "1"], dump=tmp_path)
     warnings = [line for line in again.output.splitlines() if line.startswith("titanlite: warning:")]
     assert warnings[0].startswith(f"titanlite: warning: checkpoint {folder / 'step-9'} failed to load (")
@@ -40,43 +41,85 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
     assert f"resumed from {folder / 'step-6'}" in again.output
     resumed = {m["step"]: m["loss"] for m in again.metrics}  # later rows win: the resumed run's
     assert [resumed[s] for s in (7, 8, 9)] == straight[6:]  # bitwise: resume is exact on CPU
-    assert _saved(tmp_path) == ["step-6", "step-9"]
+    assert _saved(tmp_path) == ["step-9"]
 
 
-def test_a_killed_and_a_hung_rank_restart_and_log_the_losses_of_a_run_that_never_failed(tmp_path):
-    """One launch, two failures: rank 1 SIGKILLed at the start of step 5 (resumed from step 3),
-    then hung at step 8 (resumed from step 6). Each injected fault fires once per launch."""
+def _tensorboard(folder: Path) -> dict[int, float]:
+    """loss/train as TensorBoard shows it: {step: value}, its purges applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = folder.iterdir()
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    events = acc.Scalars("loss/train")
+    assert len({e.step for e in events}) == len(events), [e.step for e in events]
+    return {e.step: e.value for e in events}
+
+
+def test_a_killed_a_hung_and_a_nan_rank_restart_and_log_the_losses_of_a_run_that_never_failed(tmp_path):
+    """One launch, three failures: rank 1 SIGKILLed at the start of step 5 (resumed from step 3),
+    hung at step 8 (resumed from step 6), and its loss NaN at step 9 once (fault_tolerance.
+    rerun_on_nonfinite: rerun from step 6, finite, a suspected hardware fault). Each injected fault
+    fires once per launch. Then a NaN at step 11 in every attempt: the data's, not the machine's,
+    so the rerun stops the run without spending the restart left."""
     dump = tmp_path / "dump"
-    args = [*TINY, *CKPT, "--comm.train_timeout_s", "4", "--comm.init_timeout_s", "60"]
-    with run_sh([*args, "--fault_tolerance.max_restarts", "2", "--skip-preflight"], dump,
-                env={"TITANLITE_FAULTS": "kill@5:1,hang@8:1"}) as (proc, out):
-        code = proc.wait(timeout=240)
+    plain = [*TINY, *CKPT, "--comm.train_timeout_s", "4", "--comm.init_timeout_s", "60"]
+    args = [*plain, "--metrics.enable_tensorboard", "true", "--fault_tolerance.rerun_on_nonfinite", "true"]
+    with run_sh([*args, "--fault_tolerance.max_restarts", "3", "--skip-preflight"], dump,
+                env={"TITANLITE_FAULTS": "kill@5:1,hang@8:1,nan@9:1"}) as (proc, out):
+        code = proc.wait(timeout=300)
         lines = output(out)
     assert code == 0, lines[-30:]
-    restarts = [json.loads(row) for row in (dump / "restarts.jsonl").read_text().splitlines()]
-    assert [(r["restart"], r["rank"], r["resumed_from"]) for r in restarts][0] == (1, 1, 3), restarts
-    assert restarts[0]["cause"] == "rank 1 ended without a titanlite message (killed or crashed)"
-    assert restarts[1]["restart"] == 2 and restarts[1]["resumed_from"] == 6, restarts
+    rows = [json.loads(row) for row in (dump / "restarts.jsonl").read_text().splitlines()]
+    restarts, (fault,) = rows[:3], rows[3:]
+    # (a hang is named by the first watchdog to fire: the hung rank's or its peer's, whichever)
+    assert [(r["restart"], r["rank"], r["resumed_from"]) for r in restarts if r["restart"] != 2] == [(1, 1, 3), (3, 1, 6)]
+    assert (restarts[1]["restart"], restarts[1]["resumed_from"]) == (2, 6), rows
+    assert restarts[0]["cause"] == "rank 1 was killed by SIGKILL at step 5"
     assert restarts[1]["cause"].startswith("step 8: exceeded comm.train_timeout_s (4 s) in compute on rank ")
-    said = [line for line in lines if line.startswith("titanlite: restart ")]
-    assert said == [f"titanlite: restart {r['restart']} of at most 2 after {r['cause']}; resuming from step "
-                    f"{r['resumed_from']}" for r in restarts], said
-    assert not any("Traceback" in line for line in lines), lines
-    straight = train(2, args, dump=tmp_path / "straight")
-    logged = {m["step"]: m["loss"] for m in Run(0, "", dump).metrics}  # later rows win: the restarts'
-    assert [logged[s] for s in range(1, 11)] == straight.losses  # bit for bit
+    assert restarts[2]["cause"] == "step 9: non-finite loss on rank 1"
+    assert (fault["suspected_hardware_fault"], fault["step"], fault["ranks"]) == (True, 9, [1]) and fault["hosts"]
+    said = [line for line in lines if line.startswith("titanlite: ") and "restart " in line]
+    assert said == [f"titanlite: {r['cause']}; restart {r['restart']} of at most 3, resuming from step "
+                    f"{r['resumed_from']}" + (", to rerun step 9 with the same data (fault_tolerance.rerun_on_nonfinite)"
+                                              if r["restart"] == 3 else "") for r in restarts], said
+    # in the order it happened: each restart's line first, then that attempt's steps; nothing else
+    firsts = [i for i, line in enumerate(lines) if line.startswith("titanlite: llama3")]
+    assert [lines.index(line) for line in said] == [i - 1 for i in firsts[1:]], lines
+    assert any(line.startswith("titanlite: warning: step 9 is finite when rerun with the same data and weights: "
+                               "its non-finite result on rank 1 (") for line in lines), lines
+    assert not [line for line in lines if not line.startswith(("titanlite: ", "step "))], lines
+    assert not any("SIGTERM" in line or "resumed from" in line for line in lines), lines
+    straight = train(2, plain, dump=tmp_path / "straight")
+    line = Run(0, "", dump).line  # the rows no restart superseded: one per step, bit for bit
+    assert [line[s]["loss"] for s in range(1, 11)] == straight.losses
+    assert [m["step"] for m in Run(0, "", dump).metrics if m["superseded"]] == [4, 7, 7, 8]
+    assert _tensorboard(dump / "tb") == {s: pytest.approx(line[s]["loss"], rel=1e-6) for s in range(1, 11)}
+    # a NaN at step 11 in every attempt recurs on the rerun: stopped for good, one restart spent
+    with run_sh([*args, "--training.steps", "12", "--fault_tolerance.max_restarts", "2", "--skip-preflight"], dump,
+                env={"TITANLITE_FAULTS": "nan@11:1/every"}) as (proc, out):
+        code = proc.wait(timeout=LIMIT_S)
+        lines = output(out)
+    assert code == 1, lines[-30:]
+    assert lines[-1].startswith("titanlite: error: step 11: non-finite loss again, rerun after a restart with the same "
+                                "data and weights: the data or the model, not the machine; no more restarts"), lines
+    assert lines[-1].endswith("(after 1 restart; fault_tolerance.max_restarts 2)"), lines[-1]
+    assert [line for line in lines if "restart " in line][0] == (
+        "titanlite: step 11: non-finite loss on rank 1; restart 1 of at most 2, resuming from step 10, to rerun step "
+        "11 with the same data (fault_tolerance.rerun_on_nonfinite)"), lines
     # a bad config is not retried: the launcher stops torchrun at its first report (exit 2)
     with run_sh([*args, "--fault_tolerance.max_restarts", "2", "--skip-preflight", "--data.seed", "7"],
                 dump, ngpu=1) as (proc, out):
         code = proc.wait(timeout=LIMIT_S)
         lines = output(out)
     assert code == 2 and lines[-1].startswith("titanlite: error: the checkpoint's data order differs"), lines[-30:]
-    assert not any(line.startswith("titanlite: restart") for line in lines), lines
+    assert not any(" restart " in line for line in lines), lines
 
 
 def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkeypatch, capsys):
-    """What rank 0 of restarted attempt 1 makes of attempt 0's reports (in process)."""
-    from titanlite.runtime import restart
+    """What rank 0 of restarted attempt 1 makes of attempt 0's reports and the agent's record of
+    how its silent ranks ended (in process)."""
+    from titanlite.runtime.restart import Restart, failure_cause
 
     env = {"TITANLITE_REPORT_DIR": str(tmp_path), "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3",
            "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
@@ -84,8 +127,13 @@ def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkey
         monkeypatch.setenv(key, value)
     reports = tmp_path / "attempt-0"
     reports.mkdir()
+    (tmp_path / "exits").mkdir()
     peer = "titanlite: error: step 4: a collective failed on rank 0; a peer rank probably died or hung (x)"
-    (reports / "rank-0.json").write_text(json.dumps({"code": 1, "line": peer, "time": 2.0}))
+    (reports / "rank-0.json").write_text(json.dumps({"code": 1, "line": peer, "time": 2.0, "step": 4}))
+    for rank, pid in enumerate((100, 101)):
+        (reports / f"rank-{rank}.pid").write_text(str(pid))
+    (tmp_path / "exits" / "100.json").write_text(json.dumps({"code": 1, "time": 2.1}))
+    (tmp_path / "exits" / "101.json").write_text(json.dumps({"signal": "SIGKILL", "time": 1.0}))
 
     class Board:
         scalars: list = []
@@ -93,13 +141,23 @@ def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkey
         def add_scalar(self, *args):
             self.scalars.append(args)
 
-    restart.record(str(tmp_path), 3, Board())
-    assert capsys.readouterr().out == ("titanlite: restart 1 of at most 3 after rank 1 ended without a titanlite "
-                                       "message (killed or crashed); resuming from step 3\n")
+    restarted = Restart.read()
+    assert restarted.line(3, heals=False, rerun=False) == ("titanlite: rank 1 was killed by SIGKILL at step 4; "
+                                                           "restart 1 of at most 3, resuming from step 3")
+    restarted.record(str(tmp_path), 3, Board())
     assert Board.scalars == [("train/restarts", 1, 3)]
     (row,) = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
     assert (row["restart"], row["max_restarts"], row["rank"], row["resumed_from"]) == (1, 3, 1, 3)
+    # no record of how it ended (outside Linux): the old words; torchrun's SIGTERM to a survivor is no cause
+    assert failure_cause({0: json.loads((reports / "rank-0.json").read_text())}, range(2)) == \
+        (1, "rank 1 ended at step 4 without a titanlite message (killed or crashed)")
+    silent = {0: {"signal": "SIGTERM", "time": 0.5}, 1: {"code": 3, "time": 1.0}}
+    assert failure_cause({}, range(2), silent) == (1, "rank 1 exited with code 3 without a titanlite message")
     # a rank's own failure is the cause, not a peer that torchrun then stopped before it could say anything
     own = "titanlite: error: step 4: out of memory on rank 1; lower training.local_batch_size [rank 1]"
-    assert restart.failure_cause({1: {"code": 1, "line": own, "time": 1.0}}, range(2)) == \
+    assert failure_cause({1: {"code": 1, "line": own, "time": 1.0}}, range(2)) == \
         (1, "step 4: out of memory on rank 1; lower training.local_batch_size")
+    # a non-finite stop, said by every rank: the rank whose loss it was
+    stop = {r: {"code": 1, "line": "titanlite: error: step 9: non-finite loss (...)", "time": 1.0, "step": 9,
+                "nonfinite": {"step": 9, "what": "loss", "own": r == 1}, "final": False} for r in range(2)}
+    assert failure_cause(stop, range(2)) == (1, "step 9: non-finite loss on rank 1")
