@@ -310,3 +310,19 @@ def test_the_per_step_cost_of_replica_groups_in_docs_scaling_and_the_dry_run():
     across = grouped["predicted"]["replica_groups_s"]
     assert across > 0.05  # the quorum's round trip at least
     assert grouped["predicted"]["step_s"] == pytest.approx(grouped["roles"][0]["step_s"] + across)
+
+
+def test_the_recovery_times_are_measured_from_the_docs_example():
+    """tools/bench_recovery, whose figures docs/reliability.md gives, runs that page's example: the
+    lighthouse's flags and every flag of the groups' run_train.sh are the example's."""
+    import re
+
+    from titanlite.tools.bench_recovery import LIGHTHOUSE, group_command
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    assert " ".join(LIGHTHOUSE) + " &" in doc
+    example = re.search(r"\*\*Groups on one machine\*\*.*?```bash(.*?)```", doc, re.S).group(1)
+    example = " ".join(example.replace("\\\n", " ").split())
+    cmd = " ".join(group_command(1, Path("out"))[1:])
+    cmd = cmd.replace("replica_id 1", "replica_id $g").replace("out/g1", "out/g$g").replace(" --metrics.log_freq 1", "")
+    assert "./run_train.sh " + cmd + " &" in example, (cmd, example)

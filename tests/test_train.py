@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from titanlite.config.load import load, to_toml
 
 TAGS = {"loss/train", "train/grad_norm", "train/lr", "perf/tokens_per_sec", "memory/peak_gib"}
-KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "skipped_steps", "epoch", "run"}
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu_pct", "peak_gib", "skipped_steps", "epoch", "run",
+        "superseded"}
 
 
 def run_sh(args, ngpu=1, timeout=600):
@@ -32,7 +33,7 @@ def test_default_job_loss_falls_and_metrics_are_written(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 10, 20]
     assert set(rows[0]) == KEYS | {"begins"} and all(set(r) == KEYS for r in rows[1:])
-    assert rows[0]["begins"] == "start" and {r["run"] for r in rows} == {"r"}
+    assert rows[0]["begins"] == "start" and {r["run"] for r in rows} == {"r"} and not any(r["superseded"] for r in rows)
     assert rows[-1]["loss"] < 0.6 * rows[0]["loss"], [r["loss"] for r in rows]
     events = EventAccumulator(str(tmp_path / "tb" / "r"))
     events.Reload()

@@ -17,6 +17,7 @@ the two figures, with group 0's median step time before the kill for scale.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -40,16 +41,20 @@ def group_command(g: int, out: Path) -> list[str]:
 
 
 class Rows:
-    """The arrival time of each new row of a metrics.jsonl (polled)."""
+    """The rows of a metrics.jsonl and when each was first seen (polled)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.seen, self.times = path, 0, []
+        self.path, self.rows, self.times = path, [], []
+
+    @property
+    def seen(self) -> int:
+        return len(self.rows)
 
     def poll(self) -> None:
         if self.path.exists():
-            n = self.path.read_text().count("\n")
-            self.times += [time.monotonic()] * (n - self.seen)
-            self.seen = n
+            new = [json.loads(line) for line in self.path.read_text().splitlines()[self.seen:] if line.strip()]
+            self.times += [time.monotonic()] * len(new)
+            self.rows += new
 
 
 def _descendants(pid: int) -> list[int]:
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int, default=5, help="group 0's step after which group 1 loses a rank")
     args, lighthouse_flags = parser.parse_known_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="titanlite-recovery-"))
+    out.mkdir(parents=True, exist_ok=True)
     for g in (0, 1):
         shutil.rmtree(out / f"g{g}", ignore_errors=True)
     with socket.socket() as s:
@@ -111,12 +117,15 @@ def main() -> None:
         victim = _rank_pid(procs[2], 1)
         if victim is None:
             raise SystemExit("bench_recovery: group 1's rank 1 not found")
-        os.kill(victim, signal.SIGKILL)
-        killed, seen = time.monotonic(), [r.seen for r in rows]
-        _wait(lambda: rows[0].seen > seen[0], "group 0's next step", deadline, *rows)
-        survivor = rows[0].times[seen[0]] - killed
-        _wait(lambda: rows[1].seen > seen[1], "group 1's first step after its heal", deadline, *rows)
-        healed = rows[1].times[seen[1]] - killed
+        os.kill(victim, signal.SIGKILL)  # within a poll of group 0's row: its next step has just begun
+        killed, seen = time.monotonic(), rows[0].seen
+        _wait(lambda: rows[0].seen > seen, "group 0's next step", deadline, *rows)
+        survivor = rows[0].times[seen] - killed
+
+        def restarted() -> int | None:  # the restarted attempt's first row says where it begins
+            return next((i for i, row in enumerate(rows[1].rows) if i and "begins" in row), None)
+        _wait(lambda: restarted() is not None, "group 1's first step after its heal", deadline, *rows)
+        healed = rows[1].times[restarted()] - killed
         step = statistics.median(before) if before else float("nan")
         print(f"group 0's step before the kill: {step:.1f} s (median); from the kill of group 1's rank 1 to group 0's "
               f"next step: {survivor:.1f} s; to group 1's first step after its restart and heal: {healed:.1f} s")
