@@ -62,33 +62,37 @@ def supersede(path: Path, run: str, after: int) -> int:
     back from the end until that run's last live row of a step at or before `after`."""
     if not path.exists():
         return 0
-    marked = 0
+    marked, mine = 0, b'"run": ' + json.dumps(run).encode()
     with open(path, "r+b") as f:
-        end = f.seek(0, os.SEEK_END)
-        chunk, tail = 1 << 16, b""
+        end, chunk, tail = f.seek(0, os.SEEK_END), 1 << 20, b""
         while end > 0:
             start = max(0, end - chunk)
             f.seek(start)
-            lines = (f.read(end - start) + tail).split(b"\n")
-            tail = lines.pop(0) if start else b""  # the first piece may be a line's end only
-            offset = start + len(tail) + (1 if start else 0)
-            places = []
-            for line in lines:
+            data = f.read(end - start) + tail
+            end = start
+            if start:  # the first piece may be the end of a line that began before the chunk
+                tail, _, data = data.partition(b"\n")
+                start += len(tail) + 1
+            if mine not in data:
+                continue  # no row of this run (found without parsing: a long file reads fast)
+            places, offset = [], start
+            for line in data.split(b"\n"):
                 places.append((offset, line))
                 offset += len(line) + 1
             for at, line in reversed(places):
+                if mine not in line or not line.endswith(_LIVE):
+                    continue
                 try:
                     row = json.loads(line)
                 except ValueError:
-                    continue  # blank, or cut short by a crash
-                if row.get("run") != run or row.get("superseded") is not False or not line.endswith(_LIVE):
+                    continue  # cut short by a crash
+                if row.get("run") != run:
                     continue
                 if row.get("step", 0) <= after:
                     return marked
                 f.seek(at + len(line) - len(_LIVE))
                 f.write(_DEAD)
                 marked += 1
-            end = start
     return marked
 
 
