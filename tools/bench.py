@@ -176,6 +176,7 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
     """Train under the real trainer; returns rank 0's result (None on other ranks)."""
     from titanlite import train
     from titanlite.parallel.mesh import pick_device
+    from titanlite.runtime import console
 
     dump = tempfile.mkdtemp(prefix="titanlite-bench-")
     cfg, _ = config_load.load(trainer_argv(args, rest, dump))
@@ -185,7 +186,10 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
     rate = matmul_rate(device, dtype)
     mem: dict = {"device": device.type}
     with tensor_memory_peak(args.track_memory, mem):
-        train.train(cfg, plan)
+        try:
+            train.train(cfg, plan)
+        finally:
+            console.restore()  # what the bench says next belongs on the console
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"matmul_flops": rate, **mem})
     if dist.get_rank():

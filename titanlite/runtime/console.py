@@ -20,6 +20,8 @@ from pathlib import Path
 PREFIX = "titanlite:"
 
 _log_path: Path | None = None
+_saved: tuple[int, object] | None = None
+"""The console's file descriptor and sys.stderr before quiet(), for restore()."""
 
 
 class _Router(io.TextIOBase):
@@ -53,7 +55,8 @@ class _Router(io.TextIOBase):
 def quiet(dump_folder: str, rank: int) -> Path:
     """From now on, this process's stderr goes to <dump_folder>/logs/rank-R.log (appended: a
     restarted attempt continues it), but for titanlite's lines; returns the log's path."""
-    global _log_path
+    global _log_path, _saved
+    restore()
     path = Path(dump_folder, "logs", f"rank-{rank}.log")
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stderr.flush()
@@ -61,10 +64,22 @@ def quiet(dump_folder: str, rank: int) -> Path:
     log.write(f"-- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, pid {os.getpid()}, attempt "
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
     console = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    _saved = (os.dup(2), sys.stderr)
     os.dup2(log.fileno(), 2)  # C and C++ (torch's warnings, gloo's aborts) write to the descriptor
     sys.stderr = _Router(console, log)
     _log_path = path
     return path
+
+
+def restore() -> None:
+    """stderr as it was before quiet() (a tool that trains in process, then reports)."""
+    global _log_path, _saved
+    if _saved is not None:
+        sys.stderr.flush()
+        fd, sys.stderr = _saved
+        os.dup2(fd, 2)
+        os.close(fd)
+        _saved = _log_path = None
 
 
 def log_path() -> Path | None:
