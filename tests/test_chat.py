@@ -113,6 +113,24 @@ def test_labels_are_the_next_token_where_it_is_a_target(tmp_path):
     assert (ids[pad] == tok.pad_id).all() and (labels[pad] == IGNORE_INDEX).all() and pad.sum() > 0
 
 
+def test_every_source_kind_gives_the_same_chats(tmp_path):
+    """.jsonl, .parquet (messages as a list of structs, absent keys read back as None) and a
+    datasets save_to_disk folder."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": c} for c in CHATS]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    tok, want = tokenizer(), [(ids.tolist(), flags.tolist()) for ids, flags in render(tokenizer(), CHATS)]
+    for kind in ("c.jsonl", "c.parquet", "ds"):
+        got = read_chats(str(tmp_path / kind), "messages", "train", tok, "byte_chat", "assistant")
+        assert [(ids.tolist(), flags.tolist()) for ids, flags in got] == want, kind
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused():
     """Rendered up to its own turn, an earlier answer shows its reasoning; with later turns after
     it, the template drops it: no prefix rendering can mask that chat, so it is refused (with
