@@ -29,7 +29,8 @@ from titanlite.data.order import SampleOrder
 from titanlite.data.sources import iter_records, source_name
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import ConfigError
-from titanlite.loss import IGNORE_INDEX
+
+IGNORE_INDEX = -100  # titanlite.loss's: a label the loss skips (data imports nothing above config)
 
 
 @functools.lru_cache(maxsize=8)  # the train and val loaders share one rendering pass

@@ -16,13 +16,12 @@ from torch import nn
 
 from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
-from titanlite.loss import IGNORE_INDEX
 from titanlite.data.loader import build_dataloader
+from titanlite.data.packing import IGNORE_INDEX
 from titanlite.config.load import parse_mix
 from titanlite.data.sources import check_text, source_bytes
 from titanlite.data.chat import check_template
 from titanlite.data.tokenizer import Tokenizer
-
 
 
 def validation_data(val: Validation, data: Data) -> tuple[Data, str]:
