@@ -112,12 +112,14 @@ def _render_chunk(hf, chats: list[list[dict]], wheres: list[str], train_on: str)
     texts = _render(hf, chats)
     assistant = [[k for k, m in enumerate(c) if m["role"] == "assistant"] for c in chats]
     turns = [a[-1:] if train_on == "last" else a for a in assistant]
-    if train_on != "all" and _GENERATION.search(hf.chat_template):
-        enc = hf.apply_chat_template(chats, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    if train_on != "all" and _GENERATION.search(hf.get_chat_template()):
+        enc = hf.apply_chat_template(chats, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                     tokenizer_kwargs={"verbose": False})
         flags = [np.asarray(m, dtype=bool) for m in enc["assistant_masks"]]
         if train_on == "last":  # the generation spans after the last assistant turn's prompt
             for i, (chat, t) in enumerate(zip(chats, turns)):
-                start = _turn_spans(hf, chat, t, texts[i], wheres[i])[0][0] if t else len(texts[i])
+                start = (len(texts[i]) if not t else 0 if t == [0] else
+                         _turn_spans(hf, chat, t, texts[i], wheres[i])[0][0])
                 flags[i] &= np.array([s >= start for s, _ in enc.encodings[i].offsets], dtype=bool)
         ids = enc["input_ids"]
     else:
