@@ -273,7 +273,8 @@ class Data:
     num_workers: int = 0
     """Data loader worker processes."""
     holdout_fraction: float = 0.01
-    """Tail fraction of the token stream kept out of training for validation."""
+    """Tail fraction of the token stream (with format chat: of the chats) kept out of training for
+    validation."""
     split: str = "train"
     """Split to read from a Hugging Face data set (hf:NAME or a save_to_disk folder)."""
     mix: list[str] = field(default_factory=list)
