@@ -9,12 +9,13 @@ from harness import TINY, assert_parity, train
 
 # samples of 128 positions: chats of every length (1 to 3 per sample), hundreds truncated or dropped
 SFT = ["--config", "sft_debug.toml", *TINY, "--training.seq_len", "128", "--training.global_batch_size", "4",
-       "--data.holdout_fraction", "0.05", "--validation.freq", "5", "--validation.steps", "2"]
+       "--data.holdout_fraction", "0.05", "--validation.freq", "5", "--validation.steps", "2",
+       "--checkpoint.enable", "false"]
 
 
 def test_sft_is_exact_over_ranks_and_micro_batches_and_resumes_bitwise(tmp_path):
-    ref = train(1, [*SFT, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5"],
-                dump=tmp_path / "ref")
+    saved = ["--training.local_batch_size", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    ref = train(1, [*SFT, *saved], dump=tmp_path / "ref")
     run = train(2, [*SFT, "--training.local_batch_size", "1"])  # each rank: 2 micro-batches of one sample
     assert "titanlite: chat data: " in ref.output
     assert_parity(ref.losses, run.losses)
@@ -27,7 +28,6 @@ def test_sft_is_exact_over_ranks_and_micro_batches_and_resumes_bitwise(tmp_path)
 
     resumed = tmp_path / "resumed"
     shutil.copytree(ref.dump / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
-    again = train(1, [*SFT, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5"],
-                  dump=resumed)
+    again = train(1, [*SFT, *saved], dump=resumed)
     assert "resumed from" in again.output
     assert again.losses == ref.losses[5:] and again.val_losses == ref.val_losses[1:]
