@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (check_saved_model, check_shapes, model_shapes, read_info, read_metadata,
-                                     resume_step)
+from titanlite.checkpoint.dcp import (INFO, check_saved_model, check_shapes, complete_steps, model_shapes, read_info,
+                                     read_metadata, resume_step)
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data.loader import probe_data
 from titanlite.errors import ConfigError
@@ -147,6 +147,11 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
         return
     else:
         path = Path(cfg.initial_load_path)
+        held = complete_steps(path, warn=False) if not (path / INFO).is_file() else []
+        if held:  # a run's checkpoint folder: which of its steps is the user's choice, not ours
+            raise ConfigError(f"checkpoint.initial_load_path: '{path}' holds the checkpoints "
+                              f"{', '.join(f'step-{n}' for n in sorted(held))}, not one checkpoint; name the one to "
+                              f"start from, e.g. {path / f'step-{held[0]}'}")
     whole = model_shapes(spec, args)
     check_saved_model(path, read_info(path), read_metadata(path), spec, args, whole, whole)
 
