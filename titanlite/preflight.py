@@ -64,7 +64,8 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     size of job without it)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
-    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
+    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe,
+                      cfg.model.hf_config, cfg.model.hf_overrides)
     if dims.ep > 1 and getattr(args, "moe", None) is None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
                           "has no experts; set it to 1")
@@ -122,7 +123,7 @@ def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: n
             raise ConfigError(f"{key} {name} with compile.enable: torch {torch.__version__}'s split backward "
                               "loses a compiled block's graph between its input- and weight-gradient passes; "
                               "use 1F1B or Interleaved1F1B, compile.enable false, or torch >= 2.13")
-    stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
+    stages = plan_stages(cfg.parallelism, len(spec.blocks_of(model)), cfg.training.local_batch_size)
     return dataclasses.replace(stages, tied=tied_names(model))
 
 

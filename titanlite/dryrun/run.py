@@ -158,7 +158,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
-        watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
+        watch = BlockWatch(parts, plan.spec, tracer, n_blocks, period)
         with tracer:  # train.py's loop body, less checkpointing and logging
             one_step(step, batches, update, TracedReferee(watch))
         for h in handles:

@@ -135,27 +135,50 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(names) for names in shared.values() if len(names) > 1)
 
 
+class StageBlocks(nn.ModuleDict):
+    """A pipeline stage's share of a model's nn.ModuleList of blocks, under their whole-model
+    names (a list would renumber them); it iterates, indexes and slices over its blocks as the
+    list did, so the model's own forward runs it unchanged (transformers' `self.layers[:n]`)."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, slice)):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
     """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
-    kept = {spec.blocks, *spec.pre, *spec.post}
+    kept = (spec.blocks, *spec.pre, *spec.post)
     # every stage would hold its own untied copy of these, trained on that stage's gradients alone
-    stray = [f"module '{n}'" for n, _ in model.named_children() if n not in kept]
-    stray += [f"parameter '{n}' (hold it in a module of its own)" for n, _ in model.named_parameters(recurse=False)]
+    stray = [n for n, _ in model.named_parameters() if not any(n.startswith(k + ".") for k in kept)]
     if stray:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s top-level {stray[0]} is in no "
-                          f"pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
+        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s {_outside(stray[0], kept)} is in "
+                          f"no pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
                           f"(after them) in models/{spec.name}/__init__.py")
-    if not is_first:
-        for name in spec.pre:
-            setattr(model, name, nn.Identity())
-    if not is_last:
-        for name in spec.post:
-            setattr(model, name, nn.Identity())
-    blocks: nn.ModuleDict = getattr(model, spec.blocks)
-    for key in list(blocks.keys()):
-        if not start <= int(key) < stop:
+    for name in (spec.pre if not is_first else ()) + (spec.post if not is_last else ()):
+        model.set_submodule(name, nn.Identity())
+    blocks = model.get_submodule(spec.blocks)
+    stage = {k: b for k, b in blocks.named_children() if start <= int(k) < stop}
+    if isinstance(blocks, nn.ModuleDict):
+        for key in [k for k in blocks.keys() if k not in stage]:
             del blocks[key]
+    else:
+        model.set_submodule(spec.blocks, StageBlocks(stage))
     return model
+
+
+def _outside(name: str, kept: tuple[str, ...]) -> str:
+    """The outermost module holding parameter `name` that no kept path runs through, or the
+    parameter itself when its owner is such a path's parent (the model, a base model)."""
+    parents = {k.rsplit(".", i)[0] for k in kept for i in range(1, k.count(".") + 1)}
+    owner = name.rpartition(".")[0].split(".") if "." in name else []
+    for i in range(1, len(owner) + 1):
+        if ".".join(owner[:i]) not in parents:
+            return f"module '{'.'.join(owner[:i])}'"
+    return f"parameter '{name}' (hold it in a module of its own)"
 
 
 def stage_modules(spec: ModelSpec, args, stages: StagePlan, meshes: Meshes) -> list[nn.Module]:
