@@ -62,8 +62,8 @@ class ModelSpec:
     config names rather than a flavor (models/transformers); None: flavors only."""
     blocks: str = "layers"
     """Path (dotted) of the module holding the transformer blocks, whose children are the
-    blocks "0".."n-1" in the order they run: an nn.ModuleDict, or an nn.ModuleList (a pipeline
-    stage keeps its blocks' names: titanlite.parallel.pipeline.StageBlocks)."""
+    blocks "0".."n-1" in the order they run: an nn.ModuleDict (a pipeline stage deletes the
+    blocks it does not hold), or an nn.ModuleList (a stage puts `Elsewhere` in their place)."""
     pre: tuple[str, ...] = ("tok_embeddings",)
     """Modules (dotted paths) that run before the blocks (kept by the first pipeline stage only)."""
     post: tuple[str, ...] = ("norm", "output")
@@ -83,7 +83,16 @@ class ModelSpec:
 
     def blocks_of(self, model: nn.Module) -> dict[str, nn.Module]:
         """The model's (or stage's) blocks by name ("0".."n-1", a stage's own range), in order."""
-        return dict(model.get_submodule(self.blocks).named_children())
+        return {k: b for k, b in model.get_submodule(self.blocks).named_children() if not isinstance(b, Elsewhere)}
+
+
+class Elsewhere(nn.Module):
+    """In a pipeline stage's nn.ModuleList of blocks, a block another stage holds: it passes its
+    input on, so the list keeps its length and the model's forward its indices (transformers
+    picks each layer's RoPE and mask by its position in the list)."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
 
 
 def available() -> list[str]:

@@ -109,7 +109,10 @@ class CausalLM:
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         ctx = ctx or AttnContext()
         inputs = {"inputs_embeds" if tokens.is_floating_point() else "input_ids": tokens}
-        kwargs = dict(position_ids=ctx.positions, use_cache=False, titanlite_ctx=ctx)
+        # given always: transformers would count them from the embedding's output, which sequence
+        # parallel shards
+        positions = ctx.positions if ctx.positions is not None else torch.arange(tokens.shape[1], device=tokens.device)
+        kwargs = dict(position_ids=positions.expand(tokens.shape[0], -1), use_cache=False, titanlite_ctx=ctx)
         if isinstance(self.lm_head, nn.Identity):
             return self.model(**inputs, **kwargs).last_hidden_state
         return super().forward(**inputs, **kwargs).logits
@@ -154,7 +157,10 @@ class CausalLM:
         try:
             devices = [d.index or 0 for d in {f.device for f in full.values()} if d.type == "cuda"]
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(init.seed_of(seed, name))
+                # the generators transformers' rules draw from: the CPU's and these devices'
+                torch.default_generator.manual_seed(init.seed_of(seed, name))
+                for index in devices:
+                    torch.cuda.default_generators[index].manual_seed(init.seed_of(seed, name))
                 self._init_weights(module)
         finally:
             module._parameters.update(saved)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from titanlite.errors import ConfigError
+from titanlite.model_spec import Elsewhere
 from titanlite.parallel.tensor import TokenParallel, TPPlan, run_whole
 
 from .model import ModelArgs, build, hf_config
@@ -40,6 +41,7 @@ STYLES = {
 }
 """transformers' TP plan styles titanlite applies, by name (between: the residual stream's layout)."""
 GATHERED = ("colwise_gather_output",)
+TP = "parallelism.tensor_parallel_degree > 1"
 
 
 class WholeParallel(ParallelStyle):
@@ -75,31 +77,31 @@ class HiddenStatesIn(ParallelStyle):
         return x.redistribute(mesh, [Replicate()])
 
 
-def translate(config, between: Placement) -> tuple[dict[str, str], dict[str, ParallelStyle]]:
+def translate(config, between: Placement, key: str = TP) -> tuple[dict[str, str], dict[str, ParallelStyle]]:
     """The architecture's base_model_tp_plan block entries (within one block) and their styles;
-    an entry titanlite cannot apply is refused in one line naming it."""
+    an entry titanlite cannot apply is refused in one line naming it (`key`: the layout's)."""
     names, block = {}, {}
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
-        raise ConfigError(f"parallelism.tensor_parallel_degree > 1: {type(config).__name__} declares no "
-                          "base_model_tp_plan; train it with tensor_parallel_degree 1")
-    for key, style in plan.items():
-        if key == "embed_tokens" and style.startswith("embedding_rowwise"):
+        raise ConfigError(f"{key}: {type(config).__name__} declares no base_model_tp_plan; train it with "
+                          "tensor_parallel_degree 1")
+    for entry, style in plan.items():
+        if entry == "embed_tokens" and style.startswith("embedding_rowwise"):
             continue  # titanlite splits the embedding on the vocabulary itself
-        path = key.removeprefix("layers.*.")
-        if path == key or style not in STYLES:
-            raise ConfigError(f"parallelism.tensor_parallel_degree > 1: {type(config).__name__}.base_model_tp_plan "
-                              f"entry '{key}': '{style}' is not a style titanlite applies ({', '.join(STYLES)}); "
-                              "train it with tensor_parallel_degree 1")
+        path = entry.removeprefix("layers.*.")
+        if path == entry or style not in STYLES:
+            raise ConfigError(f"{key}: {type(config).__name__}.base_model_tp_plan entry '{entry}': '{style}' is not "
+                              f"a style titanlite applies ({', '.join(STYLES)}); train it with "
+                              "tensor_parallel_degree 1")
         names[path] = style
         block[path] = STYLES[style](between)
     return names, block
 
 
-def block_plan(block: nn.Module, config, between: Placement) -> dict[str, ParallelStyle]:
+def block_plan(block: nn.Module, config, between: Placement, key: str = TP) -> dict[str, ParallelStyle]:
     """Every entry one block needs: the translated plan, its sub-layers' inputs, the modules with
     parameters the plan leaves out (inside a sub-layer or on the residual stream)."""
-    names, plan = translate(config, between)
+    names, plan = translate(config, between, key)
     subs = {p.split(".")[0] for p in names}
     plan |= {s: HiddenStatesIn(between) for s in subs}
     stream = SequenceParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
@@ -113,7 +115,7 @@ def block_plan(block: nn.Module, config, between: Placement) -> dict[str, Parall
             continue
         split = [s for n, s in names.items() if n.startswith(sub + ".") and s.startswith("colwise")]
         if any(s not in GATHERED for s in split):
-            raise ConfigError(f"parallelism.tensor_parallel_degree > 1: {type(config).__name__}'s layers.*.{path} "
+            raise ConfigError(f"{key}: {type(config).__name__}'s layers.*.{path} "
                               "is in no base_model_tp_plan entry but sees one rank's share of "
                               f"{sub}; train it with tensor_parallel_degree 1")
         plan[path] = WholeParallel()
@@ -145,22 +147,25 @@ def check_layout(args: ModelArgs, dims) -> None:
         with torch.device("meta"):
             model = build(dataclasses.replace(args, n_layers=min(args.n_layers, 2)))
         if dims.tp > 1:
-            block_plan(model.model.layers[0], config, Shard(1))
+            block_plan(model.model.layers[0], config, Shard(1), f"parallelism.tensor_parallel_degree {dims.tp}")
         if dims.pp > 1:
-            check_pipeline(model, config)
+            check_pipeline(model, f"parallelism.pipeline_parallel_degree {dims.pp}")
 
 
-def check_pipeline(model: nn.Module, config) -> None:
+def check_pipeline(model: nn.Module, key: str) -> None:
     """A pipeline stage hands its hidden states on and the next one takes them as its input
     (transformers' inputs_embeds): that is the whole model's computation only if the base
     model's forward passes the embedding's output to the first block, each block's to the next
-    and the last one's to the final norm unchanged. Run on meta, watched by hooks."""
-    plan = getattr(config, "base_model_pp_plan", None) or {}
-    name = type(config).__name__
+    and the last one's to the final norm unchanged. Run on meta, watched by hooks, with the
+    blocks standing in as pipeline stages hold the others' (Elsewhere: its input passed on)."""
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    name = type(model).__name__.removeprefix("Titanlite")
     if set(plan) != {"embed_tokens", "layers", "norm"}:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {name} declares no base_model_pp_plan of "
-                          "embed_tokens, layers and norm; train it without pipeline parallelism")
+        raise ConfigError(f"{key}: {type(model.config).__name__} declares no base_model_pp_plan of embed_tokens, "
+                          "layers and norm; train it without pipeline parallelism")
     seen: list[tuple[str, object, object]] = []
+    for i in range(len(model.model.layers)):
+        model.model.layers[i] = Elsewhere()
     modules = [("embedding", model.model.embed_tokens), *((f"block {i}", b) for i, b in enumerate(model.model.layers)),
                ("final norm", model.model.norm)]
     handles = [m.register_forward_pre_hook(lambda mod, a, kw, n=n: seen.append((n, "in", (a or [*kw.values()])[0])),
@@ -174,6 +179,6 @@ def check_pipeline(model: nn.Module, config) -> None:
             h.remove()
     for (before, _, out), (after, _, inp) in zip(seen[::2], seen[1::2]):
         if out is not inp:
-            raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {name}'s forward changes the hidden states "
-                              f"between its {before} and its {after} (a pipeline stage would not), so its stages "
-                              "would not compute the whole model; train it without pipeline parallelism")
+            raise ConfigError(f"{key}: {name}'s forward changes the hidden states between its {before} and its "
+                              f"{after} (a pipeline stage would not), so its stages would not compute the whole "
+                              "model; train it without pipeline parallelism")

@@ -32,7 +32,7 @@ from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import ExtraLosses, loss_context
-from titanlite.model_spec import ModelSpec
+from titanlite.model_spec import Elsewhere, ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.step import Batch, StepOutput, count_targets
@@ -135,20 +135,6 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(names) for names in shared.values() if len(names) > 1)
 
 
-class StageBlocks(nn.ModuleDict):
-    """A pipeline stage's share of a model's nn.ModuleList of blocks, under their whole-model
-    names (a list would renumber them); it iterates, indexes and slices over its blocks as the
-    list did, so the model's own forward runs it unchanged (transformers' `self.layers[:n]`)."""
-
-    def __iter__(self):
-        return iter(self.values())
-
-    def __getitem__(self, key):
-        if isinstance(key, (int, slice)):
-            return list(self.values())[key]
-        return super().__getitem__(key)
-
-
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
     """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
     kept = (spec.blocks, *spec.pre, *spec.post)
@@ -161,12 +147,11 @@ def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool
     for name in (spec.pre if not is_first else ()) + (spec.post if not is_last else ()):
         model.set_submodule(name, nn.Identity())
     blocks = model.get_submodule(spec.blocks)
-    stage = {k: b for k, b in blocks.named_children() if start <= int(k) < stop}
-    if isinstance(blocks, nn.ModuleDict):
-        for key in [k for k in blocks.keys() if k not in stage]:
+    for key in [k for k, _ in blocks.named_children() if not start <= int(k) < stop]:
+        if isinstance(blocks, nn.ModuleDict):
             del blocks[key]
-    else:
-        model.set_submodule(spec.blocks, StageBlocks(stage))
+        else:  # a list keeps its length: the model's forward may pick each block's inputs by its index
+            blocks[int(key)] = Elsewhere()
     return model
 
 
