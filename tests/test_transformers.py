@@ -240,3 +240,26 @@ def test_every_architecture_on_every_layout_is_the_table_in_the_docs(tmp_path):
     table = _table(found)
     assert table in docs, f"docs/transformers_models.md's table is not what the test found; it found:\n{table}"
     assert f"transformers {found['transformers']}" in docs
+
+
+def test_the_dry_run_traces_transformers_llama_as_native_llama3():
+    """Memory and time come from the traced step (so the planner's do too): transformers' Llama
+    at the shapes of llama3's debug model, on 4 ranks (FSDP 2 x TP 2), moves the same
+    collectives with the same bytes and does the same FLOPs as llama3; its peak is within 10%
+    (it computes RoPE's tables per step where llama3 keeps them)."""
+    from titanlite.config import load as config
+    from titanlite.dryrun.run import dry_run
+
+    a = get_model_spec("llama3").flavors["debugmodel"]
+    shapes = (f"hidden_size={a.dim},num_hidden_layers={a.n_layers},num_attention_heads={a.n_heads},"
+              f"num_key_value_heads={a.n_kv_heads},vocab_size={a.vocab_size},intermediate_size={a.ffn_hidden}")
+    roles = []
+    for model in (["--model.name", "llama3"],
+                  ["--model.name", "transformers", "--model.hf_config", "llama", "--model.hf_overrides", shapes]):
+        cfg, _ = config.load([*model, "--training.seq_len", "64", "--training.local_batch_size", "1",
+                              "--parallelism.tensor_parallel_degree", "2"])
+        roles.append(dry_run(cfg, 4)["_roles"][0])
+    native, ours = roles
+    assert ours.comms == native.comms and ours.flops == native.flops
+    for phase, peak in native.peaks.items():
+        assert abs(ours.peaks[phase]["total"] - peak["total"]) <= 0.1 * peak["total"], phase

@@ -70,7 +70,7 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     check_decoder_tp(args, dims.tp)  # every family, before its own checks
     spec.check_layout(args, dims)
     if dims.ep > 1 and getattr(args, "moe", None) is None:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.variant} "
                           "has no experts; set it to 1")
     check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
     if getattr(args, "moe", None) is not None and cfg.moe.grouped_mm == "on":

@@ -31,7 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from titanlite.errors import ConfigError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext, attention
-from titanlite.layers.decoder import DecoderArgs
+from titanlite.layers.decoder import DecoderArgs, Recompute
 
 ATTENTION = "titanlite"
 """The name titanlite's attention function is registered under with transformers."""
@@ -85,6 +85,25 @@ def titanlite_class(base: type[nn.Module]) -> type[nn.Module]:
     return type(f"Titanlite{base.__name__}", (CausalLM, base), {"__module__": __name__})
 
 
+@cache
+def recomputing_class(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` (a decoder layer class) with a `recompute` field: the block protocol of
+    titanlite.parallel.apply's activation checkpointing (titanlite.layers.decoder.Block's)."""
+    return type(base.__name__, (Recomputing, base), {"__module__": base.__module__})
+
+
+class Recomputing:
+    """A decoder layer that checkpoints its own forward with `recompute` when the plan sets it,
+    so its parameter names, and FSDP's and compile's hooks, stay the layer's own."""
+
+    recompute: Recompute | None = None
+
+    def forward(self, *args, **kwargs):
+        if self.recompute is None:
+            return super().forward(*args, **kwargs)
+        return self.recompute(super().forward, *args, **kwargs)
+
+
 class CausalLM:
     """What titanlite asks of a model, on top of a transformers *ForCausalLM class: forward(tokens,
     ctx), init_buffers() and init_weights(seed). Pipeline stages: a stage without the embedding
@@ -93,6 +112,8 @@ class CausalLM:
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
+        for layer in self.model.layers:
+            layer.__class__ = recomputing_class(type(layer))
         # a weight shared between modules (a tied embedding) is drawn by the module that holds it
         # first; a pipeline stage that holds only a later one draws it by a copy of that module
         first: dict[int, str] = {}

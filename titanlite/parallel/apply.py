@@ -7,7 +7,6 @@ cp group from its AttnContext); a pipeline stage is cut before this runs on it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
+from titanlite.errors import ConfigError
 from titanlite.layers.decoder import Recompute
 from titanlite.model_spec import ModelSpec
 from titanlite.layers.moe import moe_layers
@@ -80,29 +80,23 @@ def _selective_contexts() -> tuple:
 def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op).
-    A block that declares a `recompute` field (titanlite.layers.decoder.Block) checkpoints its
-    own forward with it; any other module has its forward wrapped in place (a transformers
-    decoder layer), so parameter names and FSDP's and compile's hooks stay the block's own."""
+    A block declares a `recompute` field, which it checkpoints its own forward with
+    (titanlite.layers.decoder.Block; models/transformers gives transformers' layers one)."""
     if cfg.mode == "none":
         return
     per_op = cfg.mode == "selective" and cfg.selective_type == "op"
     if per_op:
         torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
     for i, block in enumerate(blocks):
+        if not hasattr(block, "recompute"):
+            raise ConfigError(f"activation_checkpoint.mode = {cfg.mode}: the model's block {type(block).__name__} "
+                              "declares no `recompute` field (a titanlite.layers.decoder.Recompute or None, which "
+                              "its forward checkpoints itself with); declare one, as titanlite.layers.decoder.Block "
+                              "does, or set activation_checkpoint.mode = none")
         if per_op:
-            recompute_with(block, Recompute(_selective_contexts))
+            block.recompute = Recompute(_selective_contexts)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
-            recompute_with(block, Recompute())
-
-
-def recompute_with(block: nn.Module, recompute: Recompute) -> None:
-    """Make `block` recompute its activations in backward as `recompute` says."""
-    if hasattr(block, "recompute"):
-        block.recompute = recompute
-        return
-    forward = block.forward
-    # an instance attribute: the module's __call__ (and with it FSDP's and compile's hooks) is unchanged
-    block.forward = functools.wraps(forward)(functools.partial(recompute, forward))
+            block.recompute = Recompute()
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
