@@ -129,6 +129,19 @@ def test_a_saved_model_loads_through_its_folder_with_transformers_logits(saved):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
+def test_a_folder_transformers_converts_on_load_is_refused_in_one_line(tmp_path):
+    """transformers saves Qwen3-MoE's experts one by one and fuses them as it loads: the folder's
+    names are not the model's, which the refusal says."""
+    from titanlite.checkpoint.hf import read_safetensors
+    from titanlite.models.transformers.model import causal_lm_class, hf_config
+
+    args = SPEC.flavors["debug_qwen3_moe"]
+    causal_lm_class(hf_config(args))(hf_config(args)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.0.down_proj.weight' has no place in "
+                                          r"Qwen3MoeForCausalLM .* transformers converts qwen3_moe's saved weights"):
+        SPEC.hf.from_hf(read_safetensors(tmp_path, meta=True), args)
+
+
 def test_activation_checkpointing_recomputes_a_transformers_layer():
     """A transformers decoder layer is no titanlite Block: its forward is wrapped in place, and
     backward runs it again; gradients are those without it, bit for bit."""
@@ -185,7 +198,8 @@ def _check(argv: list[str], tmp_path) -> None:
      r"model.hf_overrides: 'hiden_size' is not a key of LlamaConfig; did you mean 'hidden_size'"),
     (["--model.hf_config", "gemma2", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
      r"soft-caps its attention logits \(attn_logit_softcapping 50.0\)"),
-    (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"], r"LlamaAttention has attention dropout 0.1"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"],
+     r"LlamaAttention has attention dropout 0.1"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
      r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig.base_model_tp_plan entry "

@@ -6,6 +6,7 @@ deterministic (no dropout). Every refusal is one line naming the key or the modu
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from pathlib import Path
@@ -68,7 +69,10 @@ def resolve_dict(raw: dict[str, Any], where: str, values: dict[str, Any] | None 
         raise ConfigError(f"model.hf_config: {where} names model_type '{model_type}', which transformers "
                           f"{_version()} does not know{hint}")
     cls = CONFIG_MAPPING[model_type]
-    known = set(cls().to_dict()) | set(raw)
+    # transformers 5's configs are dataclasses: their keys without building one (a default config
+    # may itself be inconsistent, and say so on stderr: Starcoder2's token ids)
+    keys = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(cls().to_dict())
+    known = keys | set(raw)
     for key in values:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)

@@ -25,7 +25,8 @@ def _names(args: ModelArgs) -> tuple[frozenset[str], dict[str, str]]:
     """The model's state-dict names, and each tied name -> the name it shares its weight with."""
     with torch.device("meta"):
         model = build(args)
-    return frozenset(model.state_dict()), {k: owner + "." + k.rpartition(".")[2] for k, (owner, _) in model.tied_to.items()}
+    tied = {k: owner + "." + k.rpartition(".")[2] for k, (owner, _) in model.tied_to.items()}
+    return frozenset(model.state_dict()), tied
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -40,11 +41,23 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
         if key.endswith(RECOMPUTED) or key in tied:
             continue
         if key not in names:
-            raise ConfigError(f"Hugging Face weight '{key}' has no place in {causal_lm_class(hf_config(args)).__name__}"
-                              " as transformers builds it (saved by another version or architecture?)")
+            name = causal_lm_class(hf_config(args)).__name__
+            raise ConfigError(f"Hugging Face weight '{key}' has no place in {name} as transformers builds it: "
+                              f"{_why(hf_config(args).model_type)}")
         out[key] = w
     out |= {k: out[v] for k, v in tied.items() if v in out}
     return out
+
+
+def _why(model_type: str) -> str:
+    """Why a folder's weight names are not the model's, as far as transformers says."""
+    from transformers import conversion_mapping
+
+    if conversion_mapping.get_checkpoint_conversion_mapping(model_type):
+        return (f"transformers converts {model_type}'s saved weights as it loads them (its checkpoint conversion "
+                "mapping: experts saved one by one, fused in the model), and titanlite reads the model's own names; "
+                "save the loaded model's state_dict() as safetensors next to its config.json")
+    return "the folder was saved by another architecture or transformers version"
 
 
 def config_to_hf(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
