@@ -1,7 +1,8 @@
 """The transformers family (models/transformers): any transformers causal LM, trained by titanlite.
 
 In one process: every architecture of the family's debug list equals transformers' own
-forward and backward (the loss and every gradient to 1e-6 in float32), its buffers (RoPE's
+forward and backward (the loss and every gradient to 1e-6 in float32) and keeps packed
+documents apart as transformers computes each alone, its buffers (RoPE's
 inv_freq, Gemma's embedding scale) recomputed rather than left as meta init leaves them; a
 saved transformers model loaded through its folder gives transformers' logits, with the
 folder's config unchanged; activation checkpointing recomputes a transformers layer, and a
@@ -52,12 +53,22 @@ def _titanlite(args, seed: int = 0) -> torch.nn.Module:
 
 
 def test_every_architecture_equals_transformers():
+    """Forward and backward; and a batch of packed documents (positions restarting at each):
+    with titanlite's document masks, every document's logits are those transformers gives it
+    alone."""
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    spans = ((0, 5), (5, 12), (12, 16), (16, 32))
+    docs = torch.cat([torch.full((2, b - a), i) for i, (a, b) in enumerate(spans)], 1)
+    positions = torch.cat([torch.arange(b - a) for a, b in spans])[None].expand(2, -1)
     for flavor in FLAVORS:
         args = SPEC.flavors[flavor]
         model = _titanlite(args)
         ref = _reference(args)
         ref.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            want = torch.cat([ref(input_ids=tokens[:, a:b]).logits for a, b in spans], 1)
+            got = model(tokens[:, :32], AttnContext(positions, docs))
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6, (flavor, "documents")
         # buffers meta init leaves empty (RoPE's inv_freq, Gemma's embedding scale) are transformers' own values
         want = dict(ref.named_buffers())
         for name, buf in model.named_buffers():

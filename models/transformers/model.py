@@ -157,10 +157,11 @@ class CausalLM:
         if seed is None:
             super().init_weights()
             return
-        mine = dict(self.named_parameters())
+        mine = dict(self.named_parameters())  # a tied weight once, under the name that holds it first
         for name, module in self.named_modules():
-            own = {n: p for n, p in module.named_parameters(recurse=False) if f"{name}.{n}".lstrip(".") in mine}
-            if own and not any(f"{name}.{n}".lstrip(".") in self.tied_to for n in own):
+            full = {n: f"{name}.{n}".lstrip(".") for n, _ in module.named_parameters(recurse=False)}
+            own = {n: mine[f] for n, f in full.items() if f in mine and f not in self.tied_to}
+            if own:
                 self._draw(module, name, own, seed)
         for name, (owner, template) in self.tied_to.items():
             if name in mine:  # this stage holds the tied weight without the module that owns it first

@@ -106,9 +106,9 @@ def block_plan(block: nn.Module, config, between: Placement, key: str = TP) -> d
     plan |= {s: HiddenStatesIn(between) for s in subs}
     stream = SequenceParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
     for path, module in block.named_modules():
-        covered = any(path == n or path.startswith(n + ".") or n.startswith(path + ".") or not path for n in names)
-        if covered or not any(True for _ in module.parameters(recurse=False)):
-            continue
+        covered = any(path == n or path.startswith(n + ".") or n.startswith(path + ".") for n in names)
+        if not path or covered or not any(True for _ in module.parameters(recurse=False)):
+            continue  # the block's own parameters are check_tp_covered's to refuse
         sub = path.split(".")[0]
         if sub not in subs:
             plan[path] = stream
