@@ -43,15 +43,15 @@ class Model:
     hf_overrides: list[str] = field(default_factory=list)
     """KEY=VALUE changes to model.hf_config's config (VALUE as JSON: 64, 1e-6, true, null,
     "text", [1, 2]), e.g. ["num_hidden_layers=2", "hidden_size=64"]; each KEY must exist there."""
+    attn_backend: str = "sdpa"
+    """Attention kernels: sdpa (flash for plain causal; masked blocks of queries otherwise), flex
+    (FlexAttention, compiled on GPU; no backward on CPU) or varlen (CUDA, packed documents).
+    docs/attention.md."""
 
     @property
     def variant(self) -> str:
         """What logs and reports call the architecture: model.hf_config when set, else the flavor."""
         return self.hf_config.rstrip("/").rpartition("/")[2] if self.hf_config else self.flavor
-    attn_backend: str = "sdpa"
-    """Attention kernels: sdpa (flash for plain causal; masked blocks of queries otherwise), flex
-    (FlexAttention, compiled on GPU; no backward on CPU) or varlen (CUDA, packed documents).
-    docs/attention.md."""
 
 
 @dataclass(frozen=True)

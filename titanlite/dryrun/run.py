@@ -370,6 +370,7 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: in
     floor = n_params * MIN_BYTES_PER_PARAM / world_size / GIB
     if floor > 1.1 * limit and cfg.job.memory_check == "error":
         what_model = (f"model.vocab_size {cfg.model.vocab_size}" if cfg.model.vocab_size
+                      else f"model.hf_config {cfg.model.hf_config}" if cfg.model.hf_config
                       else f"model.flavor {cfg.model.flavor}")
         raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.variant}): {n_params:,} parameters need at "
                           f"least {floor:,.0f} GiB per rank "
