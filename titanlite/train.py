@@ -201,7 +201,7 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
     t = cfg.training
     if dist.get_rank() == 0:
         accum = plan.global_batch_size // (t.local_batch_size * plan.dims.dp)
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
+        print(f"titanlite: {cfg.model.name} {cfg.model.variant} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
@@ -218,7 +218,7 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
     restarted attempt's line and restarts.jsonl row first (`heals`: replica groups, which heal
     rather than resume)."""
     t, rank = cfg.training, dist.get_rank()
-    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.variant)
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
     if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)

@@ -35,10 +35,23 @@ class Model:
     """Size preset from the family's `flavors`."""
     vocab_size: int = 0
     """Embedding rows; 0 keeps the flavor's value. Must cover the tokenizer."""
+    hf_config: str = ""
+    """With model.name = transformers: the architecture, instead of a flavor: a folder with a
+    transformers config.json (its weights load with checkpoint.initial_load_format = hf), or a
+    model_type (llama, qwen3, gemma3, ...) built from transformers' defaults and hf_overrides.
+    docs/transformers_models.md."""
+    hf_overrides: list[str] = field(default_factory=list)
+    """KEY=VALUE changes to model.hf_config's config (VALUE as JSON: 64, 1e-6, true, null,
+    "text", [1, 2]), e.g. ["num_hidden_layers=2", "hidden_size=64"]; each KEY must exist there."""
     attn_backend: str = "sdpa"
     """Attention kernels: sdpa (flash for plain causal; masked blocks of queries otherwise), flex
     (FlexAttention, compiled on GPU; no backward on CPU) or varlen (CUDA, packed documents).
     docs/attention.md."""
+
+    @property
+    def variant(self) -> str:
+        """What logs and reports call the architecture: model.hf_config when set, else the flavor."""
+        return self.hf_config.rstrip("/").rpartition("/")[2] if self.hf_config else self.flavor
 
 
 @dataclass(frozen=True)
