@@ -26,6 +26,7 @@ from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader, ignored_keys_note
+from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
@@ -129,6 +130,8 @@ class StepLog:
     once: bool
     """This rank counts the loss sum (tensor-parallel ranks hold the same)."""
     epoch_of: Callable[[int], int] | None
+    data: dict[str, int]
+    """What the data set counts (titanlite.data.packing.data_counts)."""
     spikes: bool
     """training.on_spike is on: the row counts spike_steps."""
 
@@ -142,7 +145,7 @@ class StepLog:
         gbs = self.plan.global_batch_size
         self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                 "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
-                                "epoch": self.epoch_of((step - 1) * gbs) if self.epoch_of else None,
+                                "epoch": self.epoch_of((step - 1) * gbs) if self.epoch_of else None, **self.data,
                                 **losses, **{k: float(v) for k, v in result.scalars.items()},
                                 **({"spike_steps": verdict.spikes} if self.spikes else {}),
                                 **({} if self.stragglers is None else self.stragglers.report(step, self.guard.own_s))},
@@ -239,21 +242,23 @@ def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
 
 
 def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype,
-             restart_line: str | None) -> None:
+             loader: StatefulDataLoader, restart_line: str | None) -> None:
     """The run's first line (a restarted attempt's: what failed, and where it resumed), and the
-    warm-up note, on rank 0."""
+    warm-up and chat data notes, on rank 0."""
     t = cfg.training
     if dist.get_rank() == 0:
         if restart_line:
             print(restart_line, flush=True)
         accum = plan.global_batch_size // (t.local_batch_size * plan.dims.dp)
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
+        print(f"titanlite: {cfg.model.name} {cfg.model.variant} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
         if note := ignored_keys_note(cfg.data):
             print(note, file=sys.stderr, flush=True)
+        for note in data_notes(loader.dataset):
+            print(note, flush=True)
 
 
 def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: int,
@@ -261,7 +266,7 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
     """The run's metrics (named by job.run_name), throughput clock and straggler report; a
     restarted attempt's restarts.jsonl row first."""
     t, rank = cfg.training, dist.get_rank()
-    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.variant)
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
     if rank == 0 and restarted is not None:  # torchrun restarted this job (fault_tolerance.max_restarts)
@@ -309,22 +314,23 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
-    ckpt, window, counts = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
+    ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
     restarted = Restart.read()  # torchrun restarted this job: what failed (its line says, once resumed)
     start_step = ckpt.maybe_load(say=restarted is None)
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
-                   dims.dp, device, start_step, {"guard": counts}) if cfg.fault_tolerance.enable else None)
+                   dims.dp, device, start_step, {"guard": tally}) if cfg.fault_tolerance.enable else None)
     rerun = restarted.rerun(cfg.job.dump_folder) if restarted and cfg.fault_tolerance.rerun_on_nonfinite else None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
-                  set_comm_timeout=meshes.groups.set_timeout, window=window, counts=counts, rerun=rerun)
+                  set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups
-    announce(cfg, plan, meshes, device, dtype, restarted and restarted.line(start_step, ft is not None, rerun is not None))
+    announce(cfg, plan, meshes, device, dtype, loader,
+             restarted and restarted.line(start_step, ft is not None, rerun is not None))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
@@ -337,7 +343,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
-    log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, window is not None)
+    # chats longer than a sample (nothing for text): data_counts
+    log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
+                  window is not None)
 
     step = start_step
     while step < t.steps:
