@@ -343,7 +343,6 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
-    # chats longer than a sample (nothing for text): data_counts
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
                   window is not None)
 
