@@ -5,7 +5,8 @@ resave          right after loading, write what was loaded to <dump>/checkpoint-
 kill_at_step=N  SIGKILL this process in the middle of saving step N: every data file is
                 written, the metadata and the commit are not.
 log_compiles    log each function Dynamo starts tracing (TORCH_LOGS=dynamo would not reach a
-                rank: it is read when torch is imported, which the harness's fork server did).
+                rank: it is read when torch is imported, which the harness's fork server did), to
+                <dump>/logs/rank-R.log with the rest of stderr that is not titanlite's.
 """
 
 import logging
@@ -23,8 +24,8 @@ HOOK = os.environ.get("TITANLITE_TEST_HOOK", "")
 if HOOK == "resave":
     _load = CheckpointManager.maybe_load
 
-    def _load_and_resave(self: CheckpointManager) -> int:
-        step = _load(self)
+    def _load_and_resave(self: CheckpointManager, say: bool = True) -> int:
+        step = _load(self, say)
         root, self.root = self.root, self.root.parent / "checkpoint-resaved"
         self._save(step)
         self._finish_pending(block=True)
