@@ -294,12 +294,44 @@ def check_config(cfg: JobConfig) -> None:
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
+    _check_lora(cfg)
     _check_replicas(cfg)
     _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
     if not c.folder or Path(c.folder).is_absolute() or ".." in Path(c.folder).parts:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
+
+
+def _check_lora(cfg: JobConfig) -> None:
+    """[lora]'s own values, and what a LoRA run cannot do (its targets are checked on the model, in preflight)."""
+    lo = cfg.lora
+    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora: need rank >= 0 (0: off), alpha > 0 and dropout in [0, 1), got rank {lo.rank}, "
+                          f"alpha {lo.alpha}, dropout {lo.dropout}")
+    if lo.rank == 0:
+        if lo.initial_adapter:
+            raise ConfigError("lora.initial_adapter is set but lora.rank is 0 (LoRA off); set lora.rank to the "
+                              "adapter's r")
+        return
+    if not lo.target_modules:
+        raise ConfigError("lora.target_modules is empty: LoRA needs at least one linear layer to adapt (e.g. wq,wv)")
+    if lo.initial_adapter and not (Path(lo.initial_adapter) / "adapter_config.json").is_file():
+        raise ConfigError(f"lora.initial_adapter: '{lo.initial_adapter}' is not a PEFT folder (no adapter_config.json)")
+    if lo.export_folder and (Path(lo.export_folder).is_absolute() or ".." in Path(lo.export_folder).parts):
+        raise ConfigError(f"lora.export_folder: '{lo.export_folder}' must be a relative path inside job.dump_folder")
+    for key, on, why in [
+            ("float8.enable", cfg.float8.enable, "LoRA on float8 base weights is not supported yet (untested: no GPU "
+                                                "in the test suite)"),
+            ("moe.bias_update_rate", cfg.moe.bias_update_rate > 0, "it moves the frozen routers' selection bias, "
+                                                                 "which neither the adapter checkpoint nor PEFT holds"),
+            ("checkpoint.export_dtype", bool(cfg.checkpoint.export_dtype), "a LoRA run exports its adapter "
+                                                                          "(lora.export_folder); `python -m "
+                                                                          "titanlite.tools.convert dcp hf` merges it"),
+            ("checkpoint.create_seed_checkpoint", cfg.checkpoint.create_seed_checkpoint,
+             "its base weights come from checkpoint.initial_load_path or the seed")]:
+        if on:
+            raise ConfigError(f"{key} with lora.rank {lo.rank}: {why}; set {key} off or lora.rank 0")
 
 
 def _check_replicas(cfg: JobConfig) -> None:
