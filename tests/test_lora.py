@@ -237,6 +237,7 @@ def test_export_merge_and_convert_agree_with_peft(layouts, tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--lora.target_modules", "wq,attention.wz"], "lora.target_modules: 'attention.wz' matches no module"),
     (["--model.name", "qwen3_moe", "--lora.target_modules", "experts"], "names layers.0.moe.experts, a GroupedExperts"),
+    (["--model.name", "qwen3_moe", "--lora.target_modules", "mlp.gate"], "takes layers.0.moe.router.gate, a MoE router's gate"),
     (["--model.name", "qwen3_5", "--model.flavor", "debugmodel", "--lora.target_modules", "wq"],
      "has no transformers weight of its own in qwen3_5's mapping"),
     (["--lora.train_in_full", "attention"], "lora.train_in_full takes layers.0.attention, which lora.target_modules"),
@@ -247,7 +248,7 @@ def test_export_merge_and_convert_agree_with_peft(layouts, tmp_path):
     (["--checkpoint.export_dtype", "bfloat16"], "checkpoint.export_dtype with lora.rank 4"),
     (["--lora.alpha", "0"], "lora: need rank >= 0 (0: off), alpha > 0"),
     (["--lora.target_modules", ""], "lora.target_modules is empty"),
-], ids=["nothing", "experts", "fused", "overlap", "tied", "full_nothing", "float8", "router_bias", "export_dtype",
+], ids=["nothing", "experts", "router", "fused", "overlap", "tied", "full_nothing", "float8", "router_bias", "export_dtype",
         "alpha", "empty"])
 def test_bad_lora_input_is_one_line_before_launch(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:

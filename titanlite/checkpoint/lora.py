@@ -23,12 +23,13 @@ import torch.nn as nn
 
 from titanlite.checkpoint.dcp import load_tensors, model_shapes
 from titanlite.checkpoint.hf import HFAdapter
-from titanlite.checkpoint.peft import LoRAInfo, from_peft, hf_layout, hf_names, to_peft, write_peft
+from titanlite.checkpoint.peft import HFLayouts, LoRAInfo, from_peft, hf_names, to_peft, write_peft
 from titanlite.checkpoint.state import ModelState, Transformed
 from titanlite.checkpoint.weights import assign_full
 from titanlite.config.job import JobConfig, LoRA
 from titanlite.errors import ConfigError
 from titanlite.layers.lora import LoRASetup, apply_lora
+from titanlite.layers.moe import Router
 from titanlite.model_spec import ModelSpec
 
 
@@ -53,7 +54,7 @@ def _resolve(targets: list[str], modules: dict[str, nn.Module], names: dict[str,
                                   "take none); name attention or feed-forward linears, e.g. wq or q_proj")
             examples = sorted({n.split(".", 2)[-1] for n, m in modules.items() if type(m) is nn.Linear})[:6]
             raise ConfigError(f"{key}: '{target}' matches no module of this model; its linear layers are named "
-                              f"like {', '.join(examples)} (or by their Hugging Face names)")
+                              f"like {', '.join(examples)}, or by the Hugging Face names of the family's mapping")
         out |= took
     return out
 
@@ -69,9 +70,13 @@ def plan_lora(cfg: LoRA, spec: ModelSpec, args: Any) -> LoRASetup | None:
         model = spec.build(args)
     modules = {n: m for n, m in model.named_modules() if n and any(True for _ in m.parameters())}
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    hf = {} if spec.hf is None else hf_names(spec.hf, args, {k: v for k, v in shapes.items() if k.endswith(".weight")})
-    names = {k.removesuffix(".weight"): v.removesuffix(".weight") for k, v in hf.items()}
+    hf = {} if spec.hf is None else hf_names(spec.hf, args, shapes)
+    names = {k.removesuffix(".weight"): v.removesuffix(".weight") for k, v in hf.items() if k.endswith(".weight")}
     targets = _resolve(cfg.target_modules, modules, names, "lora.target_modules", nn.Linear)
+    routers = sorted(t for t in targets if isinstance(modules.get(t.rpartition(".")[0]), Router))
+    if routers:  # transformers' MoE routers are modules of their own, with a weight but no nn.Linear
+        raise ConfigError(f"lora.target_modules takes {routers[0]}, a MoE router's gate, which transformers holds as "
+                          "a router module PEFT adapts no linear of; train it whole (lora.train_in_full) or leave it")
     full = _resolve(cfg.train_in_full, modules, names, "lora.train_in_full", None)
     for f in sorted(full):
         inside = sorted(t for t in targets if t == f or t.startswith(f + ".") or f.startswith(t + "."))
@@ -90,9 +95,10 @@ def plan_lora(cfg: LoRA, spec: ModelSpec, args: Any) -> LoRASetup | None:
         if spec.hf is None and value:
             raise ConfigError(f"{key}: model '{spec.name}' has no Hugging Face adapter to map a PEFT adapter with; "
                               f"set {key} = \"\"")
+    layout = None if spec.hf is None else HFLayouts(spec.hf, args, shapes)
     for t in sorted(targets) if spec.hf is not None else ():
         try:
-            hf_layout(spec.hf, args, f"{t}.weight", shapes)
+            layout(f"{t}.weight")
         except Exception as e:
             raise ConfigError(f"lora.target_modules: {t} has no transformers weight of its own in {spec.name}'s mapping "
                               f"(its weight {e}), so PEFT could not load or merge its adapter; adapt other "

@@ -67,14 +67,31 @@ def _module(key: str) -> str:
     return key.removesuffix(".weight")
 
 
-def hf_names(adapter: HFAdapter, args: Any, keys: Mapping[str, torch.Size]) -> dict[str, str]:
-    """titanlite weight name -> the one transformers weight name to_hf gives it, for each of `keys`
-    that to_hf maps alone to exactly one weight (on meta: no memory)."""
+def _mapped(adapter: HFAdapter, args: Any, key: str, probe: torch.Tensor, shapes: Mapping[str, torch.Size],
+            whole: bool) -> dict[str, torch.Tensor]:
+    """What to_hf makes of `probe` as weight `key`, alone or (`whole`, for a family that maps the
+    whole model at once) among the model's other tensors, on meta (no memory) except the key's
+    own block and the vectors, as zeros that take none until to_hf copies them: the outputs not
+    on meta."""
+    state = {key: probe}
+    if whole:
+        head, _, rest = key.partition(".")
+        mine = f"{head}.{rest.partition('.')[0]}." if head == "layers" else None
+        # a vector (a norm, a bias, a router's selection bias) as zeros too, which to_hf may test
+        state = {k: torch.zeros((), dtype=probe.dtype).expand(*s) if (mine and k.startswith(mine)) or len(s) < 2
+                 else torch.empty(s, device="meta") for k, s in shapes.items()} | state
+    return {k: v for k, v in adapter.to_hf(state, _untied(args)).items() if not (whole and v.is_meta)}
+
+
+def hf_names(adapter: HFAdapter, args: Any, shapes: Mapping[str, torch.Size]) -> dict[str, str]:
+    """titanlite name -> the one transformers name to_hf gives it alone, for each key of `shapes`
+    that to_hf maps by itself (on meta: no memory); a family whose to_hf maps the whole model at
+    once (Qwen3.5) gives none."""
     out = {}
-    for key, shape in keys.items():
+    for key, shape in shapes.items():
         try:
-            got = adapter.to_hf({key: torch.empty(shape, device="meta")}, _untied(args))
-        except Exception:  # a family whose to_hf needs more of the state dict: no name by itself
+            got = _mapped(adapter, args, key, torch.empty(shape, device="meta"), shapes, whole=False)
+        except Exception:  # to_hf needs more of the state dict
             continue
         if len(got) == 1:
             out[key] = next(iter(got))
@@ -82,20 +99,14 @@ def hf_names(adapter: HFAdapter, args: Any, keys: Mapping[str, torch.Size]) -> d
 
 
 def _probe(adapter: HFAdapter, args: Any, key: str, shapes: Mapping[str, torch.Size], dim: int,
-           block: bool) -> tuple[str, torch.Tensor]:
+           whole: bool) -> tuple[str, torch.Tensor]:
     """Where to_hf sends the rows (dim 0) or columns (dim 1) of `key`: its transformers name and
-    the order (transformers index i holds titanlite index order[i]). `block`: give to_hf the rest
-    of the key's block too (zero tensors that take no memory), for a family that maps a block whole."""
+    the order (transformers index i holds titanlite index order[i]); `whole`: as `_mapped`."""
     shape = shapes[key]
-    index = torch.arange(1, shape[dim] + 1, dtype=torch.float64)  # from 1: zero is the other tensors'
+    index = torch.arange(1, shape[dim] + 1, dtype=torch.float32)  # exact to 2**24; from 1: 0 is the others'
     probe = (index[:, None] if dim == 0 else index[None, :]).expand(*shape)
-    state = {key: probe}
-    if block:
-        head, _, rest = key.partition(".")
-        mine = f"{head}.{rest.partition('.')[0]}." if head == "layers" else "."
-        state = {k: torch.zeros((), dtype=torch.float64).expand(*s) for k, s in shapes.items()
-                 if k.startswith(mine) or not k.startswith("layers.")} | state
-    got = {k: v for k, v in adapter.to_hf(state, _untied(args)).items() if v.count_nonzero() > 0}
+    got = _mapped(adapter, args, key, probe, shapes, whole)
+    got = {k: v for k, v in got.items() if v.count_nonzero() > 0} if whole else got  # the rest of its block: zeros
     if len(got) != 1:
         raise ConfigError(f"{'is split into' if len(got) > 1 else 'maps to'} {len(got)} transformers weights"
                           + (f" ({', '.join(sorted(got)[:2])})" if got else ""))
@@ -116,13 +127,38 @@ def hf_layout(adapter: HFAdapter, args: Any, key: str, shapes: Mapping[str, torc
     found = []
     for dim in (0, 1):
         try:
-            found.append(_probe(adapter, args, key, shapes, dim, block=False))
-        except Exception:  # alone it is not enough for this family's to_hf: with its block
-            found.append(_probe(adapter, args, key, shapes, dim, block=True))
+            found.append(_probe(adapter, args, key, shapes, dim, whole=False))
+        except Exception:  # alone it is not enough for this family's to_hf
+            found.append(_probe(adapter, args, key, shapes, dim, whole=True))
     (name, rows), (other, cols) = found
     if name != other:
         raise ConfigError(f"its rows map to {name} but its columns to {other}")
     return name, rows, cols
+
+
+class HFLayouts:
+    """`hf_layout` of many weights, read once per name within a block: the orders found for the
+    same name and shape in two blocks that agree serve the other blocks (a probe copies a weight's
+    size), each weight's own transformers name still read from to_hf (on meta). A name whose
+    orders differ between blocks is read in every block."""
+
+    def __init__(self, adapter: HFAdapter, args: Any, shapes: Mapping[str, torch.Size]) -> None:
+        self.adapter, self.args, self.shapes = adapter, args, shapes
+        self.seen: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]] | None] = {}
+
+    def __call__(self, key: str) -> tuple[str, torch.Tensor, torch.Tensor]:
+        head, _, rest = key.partition(".")
+        block, _, inner = rest.partition(".")
+        slot = (inner, tuple(self.shapes[key])) if head == "layers" and block.isdigit() else None
+        orders = self.seen.get(slot, [])
+        name = hf_names(self.adapter, self.args, {key: self.shapes[key]}).get(key)
+        if slot is None or orders is None or len(orders) < 2 or name is None:
+            name, rows, cols = hf_layout(self.adapter, self.args, key, self.shapes)
+            if slot is not None and orders is not None and len(orders) < 2:
+                agree = all(torch.equal(rows, r) and torch.equal(cols, c) for r, c in orders)
+                self.seen[slot] = [*orders, (rows, cols)] if agree else None
+            return name, rows, cols
+        return name, *orders[0]
 
 
 # ---- PEFT folders -----------------------------------------------------------------------
@@ -140,9 +176,9 @@ def to_peft(state: Mapping[str, torch.Tensor], info: LoRAInfo, adapter: HFAdapte
     """A LoRA run's trained tensors (full, titanlite names: `<layer>.lora_A.weight`, ... and the
     whole modules' parameters) -> PEFT's tensors and adapter_config.json. `shapes`: the base
     model's weights (whole model); `base`: base_model_name_or_path."""
-    tensors, targets = {}, []
+    tensors, targets, layout = {}, [], HFLayouts(adapter, args, shapes)
     for layer in info.targets:
-        name, rows, cols = hf_layout(adapter, args, f"{layer}.weight", shapes)
+        name, rows, cols = layout(f"{layer}.weight")
         module = _module(name)
         targets.append(module)
         tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{layer}.lora_A.weight"][:, cols].contiguous()
@@ -201,9 +237,9 @@ def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
             saved = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise ConfigError(f"{where}: unreadable {WEIGHTS} ({e})") from None
-    out, used = {}, set()
+    out, used, layout = {}, set(), HFLayouts(adapter, args, shapes)
     for layer in info.targets:
-        name, rows, cols = hf_layout(adapter, args, f"{layer}.weight", shapes)
+        name, rows, cols = layout(f"{layer}.weight")
         for part, (dim, order) in (("lora_A", (1, cols)), ("lora_B", (0, rows))):
             key = f"{PREFIX}{_module(name)}.{part}.weight"
             if key not in saved:
@@ -214,7 +250,7 @@ def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
             used.add(key)
     for module in info.full:
         own = {k: v for k, v in shapes.items() if k.startswith(f"{module}.")}
-        for key, hf_key in hf_names(adapter, args, own).items():
+        for key, hf_key in hf_names(adapter, args, own).items():  # (plan_lora checked each has one)
             if PREFIX + hf_key not in saved:
                 raise ConfigError(f"{where} has no {PREFIX + hf_key} for {module} (lora.train_in_full)")
             out |= adapter.from_hf({hf_key: saved[PREFIX + hf_key]}, _untied(args))
