@@ -2,7 +2,7 @@
 
 One gloo launch (tests/lora_layouts.py) runs the real trainer on FSDP 2 (saving at steps 5 and
 10), FSDP 2 again resumed from step 5, TP 2, PP 2, CP 2 (with activation checkpointing) and HSDP
-2 x 1 on llama3, and EP 2 on qwen3_moe; each llama3 run starts from a transformers folder (TP 2
+2 x 1 (compiled) on llama3, and EP 2 on qwen3_moe; each llama3 run starts from a transformers folder (TP 2
 from the same weights as a titanlite checkpoint) and from an adapter PEFT made (random, non-zero
 lora_B), with Muon on the adapters and AdamW on lm_head, trained whole. Every loss equals the
 single-process run's, the optimizer holds exactly the adapters and lm_head, every frozen weight
@@ -134,7 +134,8 @@ def layouts(tmp_path_factory):
                 "--parallelism.pipeline_parallel_microbatch_size", "2"],
         "cp2": [*lora, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
                 "--activation_checkpoint.mode", "full"],
-        "hsdp2x1": [*lora, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"],
+        "hsdp2x1": [*lora, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+                    "--compile.enable", "true"],
         "ep2": [*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
     }
     dumps = {name: root / ("fsdp2" if name == "resumed" else name) for name in runs}
