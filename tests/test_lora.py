@@ -263,6 +263,10 @@ def test_an_adapter_for_other_settings_is_refused(tmp_path):
     made = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
                           LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj"]))
     made.save_pretrained(tmp_path / "made")
+    cfg, _ = config_load.load([*TINY, "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "q_proj",
+                               "--lora.initial_adapter", str(tmp_path / "made")])
+    with pytest.raises(ConfigError, match="lora.initial_adapter .* has r=8"):  # before launch
+        make_plan(cfg, 1)
     spec = get_model_spec("llama3")
     setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
     info = LoRAInfo(4, 8.0, False, 0.0, tuple(sorted(setup.targets)), ())

@@ -109,6 +109,8 @@ def plan_lora(cfg: LoRA, spec: ModelSpec, args: Any) -> LoRASetup | None:
             raise ConfigError(f"lora.train_in_full: {lacking[0]} has no transformers weight of its own in "
                               f"{spec.name}'s mapping, so PEFT could not save {f}; train other modules in full")
     setup = LoRASetup(cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora, frozenset(targets), frozenset(full))
+    if cfg.initial_adapter:  # an adapter's size: read it whole once before launch, as every rank will
+        from_peft(cfg.initial_adapter, info_of(setup), spec.hf, args, shapes)
     apply_lora(model, setup)
     return dataclasses.replace(setup, trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
                                frozen=sum(p.numel() for p in model.parameters() if not p.requires_grad))
@@ -152,12 +154,16 @@ def export_adapter(parts: list[nn.Module], folder: Path, info: LoRAInfo, adapter
     dist.barrier()
 
 
+def info_of(setup: LoRASetup) -> LoRAInfo:
+    return LoRAInfo(setup.rank, setup.alpha, setup.rslora, setup.dropout, tuple(sorted(setup.targets)),
+                    tuple(sorted(setup.full)))
+
+
 def checkpointing(setup: LoRASetup, cfg: JobConfig, spec: ModelSpec, args: Any) -> Transformed:
     """What a LoRA run asks of its checkpoints (titanlite.checkpoint.state.Transformed): the adapted
     model's names, the settings and base weights a resumed run must share (recorded), the
     adapter from lora.initial_adapter at the start and as a PEFT folder at the end."""
-    info = LoRAInfo(setup.rank, setup.alpha, setup.rslora, setup.dropout, tuple(sorted(setup.targets)),
-                    tuple(sorted(setup.full)))
+    info = info_of(setup)
     c = cfg.checkpoint
     base = ({"path": str(Path(c.initial_load_path).resolve()), "format": c.initial_load_format} if c.initial_load_path
             else {"path": "", "format": "seed", "seed": cfg.training.seed})
