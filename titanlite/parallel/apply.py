@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.errors import ConfigError
-from titanlite.layers.decoder import Block, Recompute
+from titanlite.layers.decoder import Recompute
 from titanlite.layers.lora import LoRASetup, apply_lora
 from titanlite.model_spec import ModelSpec
 from titanlite.layers.moe import moe_layers
@@ -87,6 +87,8 @@ def _selective_contexts() -> tuple:
 def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint, random: bool = False) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op).
+    A block declares a `recompute` field, which it checkpoints its own forward with
+    (titanlite.layers.decoder.Block; models/transformers gives transformers' layers one).
     `random`: the blocks draw random numbers (Recompute.random)."""
     if cfg.mode == "none":
         return
@@ -94,10 +96,11 @@ def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint, random: bool = 
     if per_op:
         torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
     for i, block in enumerate(blocks):
-        if not isinstance(block, Block):
+        if not hasattr(block, "recompute"):
             raise ConfigError(f"activation_checkpoint.mode = {cfg.mode}: the model's block {type(block).__name__} "
-                              "is not a titanlite.layers.decoder.Block, whose `recompute` field the plan sets; "
-                              "build blocks as Block or set activation_checkpoint.mode = none")
+                              "declares no `recompute` field (a titanlite.layers.decoder.Recompute or None, which "
+                              "its forward checkpoints itself with); declare one, as titanlite.layers.decoder.Block "
+                              "does, or set activation_checkpoint.mode = none")
         if per_op:
             block.recompute = Recompute(_selective_contexts, random)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
@@ -156,12 +159,12 @@ def all_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """The blocks that float8, AC, compile and FSDP treat one by one, in the order they run: the
     model's (or stage's), then its multi-token prediction depths' (which would otherwise sit in
     the root: uncheckpointed, eager, gathered with the embeddings for the whole step)."""
-    return [*getattr(model, spec.blocks).values(), *mtp_blocks(model)]
+    return [*spec.blocks_of(model).values(), *mtp_blocks(model)]
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: ParallelizeOptions) -> None:
     """Apply every parallel dimension to `model` (a whole model or a pipeline stage), in place."""
-    blocks = getattr(model, spec.blocks)
+    blocks = spec.blocks_of(model)
     every_block = all_blocks(model, spec)
     if opts.float8.enable:
         apply_float8(every_block, opts.float8, fsdp=meshes.dims.fsdp)
@@ -169,7 +172,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         apply_lora(model, opts.lora)
     trains = {n for n, p in model.named_parameters() if p.requires_grad}
     if meshes.dims.tp > 1:
-        plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
+        plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel, model)
         plan = plan if opts.lora is None else with_adapters(plan)
         # without FSDP autocast gives the mixed precision, and the residual stream is float32
         autocast = opts.param_dtype if not meshes.dims.fsdp and opts.param_dtype != torch.float32 else None
