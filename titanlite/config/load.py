@@ -306,31 +306,24 @@ def check_config(cfg: JobConfig) -> None:
 def _check_lora(cfg: JobConfig) -> None:
     """[lora]'s own values, and what a LoRA run cannot do (its targets are checked on the model, in preflight)."""
     lo = cfg.lora
-    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
-        raise ConfigError(f"lora: need rank >= 0 (0: off), alpha > 0 and dropout in [0, 1), got rank {lo.rank}, "
-                          f"alpha {lo.alpha}, dropout {lo.dropout}")
-    if lo.rank == 0:
-        if lo.initial_adapter:
-            raise ConfigError("lora.initial_adapter is set but lora.rank is 0 (LoRA off); set lora.rank to the "
-                              "adapter's r")
-        return
-    if not lo.target_modules:
-        raise ConfigError("lora.target_modules is empty: LoRA needs at least one linear layer to adapt (e.g. wq,wv)")
-    if lo.initial_adapter and not (Path(lo.initial_adapter) / "adapter_config.json").is_file():
-        raise ConfigError(f"lora.initial_adapter: '{lo.initial_adapter}' is not a PEFT folder (no adapter_config.json)")
+    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0 or (lo.rank and not lo.target_modules):
+        raise ConfigError(f"lora: need rank >= 0 (0: off), alpha > 0, dropout in [0, 1) and target_modules (e.g. "
+                          f"wq,wv), got rank {lo.rank}, alpha {lo.alpha}, dropout {lo.dropout}, {lo.target_modules}")
+    adapter = Path(lo.initial_adapter) / "adapter_config.json"
+    if lo.initial_adapter and (not lo.rank or not adapter.is_file()):
+        raise ConfigError(f"lora.initial_adapter: '{lo.initial_adapter}' needs lora.rank > 0 (its r) and a PEFT folder "
+                          "(with adapter_config.json)")
     if lo.export_folder and (Path(lo.export_folder).is_absolute() or ".." in Path(lo.export_folder).parts):
         raise ConfigError(f"lora.export_folder: '{lo.export_folder}' must be a relative path inside job.dump_folder")
     for key, on, why in [
-            ("float8.enable", cfg.float8.enable, "LoRA on float8 base weights is not supported yet (untested: no GPU "
-                                                "in the test suite)"),
+            ("float8.enable", cfg.float8.enable, "float8 base weights are not supported yet (untested: no GPU)"),
             ("moe.bias_update_rate", cfg.moe.bias_update_rate > 0, "it moves the frozen routers' selection bias, "
                                                                  "which neither the adapter checkpoint nor PEFT holds"),
-            ("checkpoint.export_dtype", bool(cfg.checkpoint.export_dtype), "a LoRA run exports its adapter "
-                                                                          "(lora.export_folder); `python -m "
-                                                                          "titanlite.tools.convert dcp hf` merges it"),
+            ("checkpoint.export_dtype", bool(cfg.checkpoint.export_dtype), "the run exports its adapter "
+                                                                          "(lora.export_folder); convert dcp hf merges it"),
             ("checkpoint.create_seed_checkpoint", cfg.checkpoint.create_seed_checkpoint,
              "its base weights come from checkpoint.initial_load_path or the seed")]:
-        if on:
+        if on and lo.rank:
             raise ConfigError(f"{key} with lora.rank {lo.rank}: {why}; set {key} off or lora.rank 0")
 
 
