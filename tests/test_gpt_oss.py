@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import titanlite
-from titanlite.checkpoint.dcp import load_hf_weights
+from titanlite.checkpoint.weights import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.preflight import check_attention
 from titanlite.errors import ConfigError

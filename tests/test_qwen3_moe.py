@@ -188,25 +188,25 @@ def test_hf_load_reads_one_block_at_a_time(tmp_path, monkeypatch):
     """checkpoint.initial_load_format hf reads the folder one decoder block at a time, and only
     the blocks a part holds (here a pipeline stage without block 2), and loads exactly what
     the adapter maps the whole folder to."""
-    from titanlite.checkpoint import dcp
+    from titanlite.checkpoint import weights
     from titanlite.checkpoint.hf import write_hf_folder
 
     args = flavors["debugmodel"]
     source = Transformer(args)
     source.init_weights(0)
     write_hf_folder(tmp_path, hf.to_hf(source.state_dict(), args), hf.config_to_hf(args, torch.float32))
-    reads, real = [], dcp.read_safetensors
+    reads, real = [], weights.read_safetensors
 
     def spy(path, names=None, meta=False):
         if not meta:
             reads.append({n.split(".")[2] if n.startswith("model.layers.") else "top" for n in names})
         return real(path, names, meta)
 
-    monkeypatch.setattr(dcp, "read_safetensors", spy)
+    monkeypatch.setattr(weights, "read_safetensors", spy)
     stage = Transformer(args)
     stage.init_weights(1)
     del stage.layers["2"]
-    dcp.load_hf_weights([stage], tmp_path, SPEC.hf, args)
+    weights.load_hf_weights([stage], tmp_path, SPEC.hf, args)
     assert sorted(map(sorted, reads)) == [["0"], ["1"], ["3"], ["top"]]
     expected = hf.from_hf(real(tmp_path), args)
     assert all(torch.equal(v, expected[k]) for k, v in stage.state_dict().items())

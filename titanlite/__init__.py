@@ -57,7 +57,7 @@ def load_hf(folder: str | Path, name: str, seed: int = 0) -> tuple[torch.nn.Modu
     `seed`, said in one line on stderr; any other missing weight is an error."""
     import sys
 
-    from titanlite.checkpoint.dcp import check_shapes
+    from titanlite.checkpoint.weights import check_shapes
     from titanlite.checkpoint.hf import check_hf_config, fresh_line, fresh_names, read_config, read_safetensors
     from titanlite.errors import ConfigError
 

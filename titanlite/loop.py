@@ -60,6 +60,7 @@ class Update:
     """What follows a step's backward, fixed at setup."""
 
     params: list[nn.Parameter]
+    """The parameters that train."""
     norm_params: list[nn.Parameter]
     """The parameters the norm counts: all but a pipeline stage's mirrors of a tied weight."""
     stage_ranks: Sequence[int]
@@ -76,7 +77,7 @@ class Update:
     def of(cls, parts: list[nn.Module], step: PlainStep | PipelineStep, stage_ranks: Sequence[int], max_norm: float,
            optimizers: Optimizers, hooks: list,
            across: Callable[[list[nn.Parameter], list[torch.Tensor]], bool] | None = None) -> Update:
-        params = [p for part in parts for p in part.parameters()]
+        params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen: no gradient
         norm_params = [p for p in params if all(p is not m for m in step.mirrors)]
         return cls(params, norm_params, stage_ranks, max_norm, optimizers, hooks, across)
 

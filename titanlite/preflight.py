@@ -13,13 +13,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (INFO, check_saved_model, check_shapes, complete_steps, model_shapes, read_info,
-                                     read_metadata, resume_step)
+from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info, read_metadata,
+                                     resume_step)
+from titanlite.checkpoint.lora import plan_lora
+from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data.loader import probe_data
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
+from titanlite.layers.lora import LoRASetup, apply_lora
 from titanlite.optim.muon import split_params
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
@@ -45,6 +48,8 @@ class Plan:
     """Parameters of the whole model (counted on meta, before any sharding or pipeline cut)."""
     stages: StagePlan | None = None
     """The pipeline stages (None without pipelining)."""
+    lora: LoRASetup | None = None
+    """The LoRA adapters' targets and settings (None: every weight trains)."""
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -98,7 +103,8 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
-    check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
+    lora = plan_lora(cfg.lora, spec, args)
+    check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args, lora)
     with torch.device("meta"):
         model = spec.build(args)
     if cfg.optimizer.name == "Muon" and not split_params(model, cfg.optimizer.muon_groups)[0]:
@@ -106,7 +112,7 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
                           f"{cfg.optimizer.muon_groups} (Muon reads titanlite's block layouts: layers.<i>.attention, "
                           "feed_forward, experts); use AdamW")
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
-    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
+    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages, lora)
 
 
 def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:
@@ -132,11 +138,22 @@ def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: n
     return dataclasses.replace(stages, tied=tied_names(model))
 
 
-def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any) -> None:
+def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: Any,
+                     lora: LoRASetup | None = None) -> None:
     """The checkpoint the run would resume from, or else its initial weights, can be read and
-    are this model's (family, IDENTITY args, names and shapes both ways)."""
+    are this model's (family, IDENTITY args, names and shapes both ways). A LoRA run's checkpoint
+    holds what trains, and its base weights load from the initial weights on every start."""
     root = Path(dump_folder) / cfg.folder
     step = resume_step(cfg, root, warn=False) if cfg.enable else None
+    if step is not None and lora is not None:
+        with torch.device("meta"):
+            model = spec.build(args)
+            apply_lora(model, lora)
+        path = root / f"step-{step}"
+        trained = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        whole = {k: v.shape for k, v in model.state_dict().items()}
+        check_saved_model(path, read_info(path), read_metadata(path), spec, args, trained, whole)
+        step = None  # and the base weights, as a fresh start reads them
     if step is None and not cfg.initial_load_path:
         return
     if step is not None:

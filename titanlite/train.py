@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
@@ -37,6 +38,7 @@ from titanlite.metrics import MetricsLogger, Throughput, default_run_name, devic
     reduce_losses
 from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers, warmup_note
+from titanlite.layers.lora import LoRASetup
 from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
@@ -53,7 +55,7 @@ from titanlite.runtime.verdict import Counts
 from titanlite.step import PlainStep, StepOutput
 
 
-def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> ParallelizeOptions:
+def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype, lora: LoRASetup | None = None) -> ParallelizeOptions:
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     # a stage's parameters serve every micro-batch of the step: gathering them once pays
     reshard = "never" if dims.pp > 1 and reshard == "default" else reshard
@@ -61,7 +63,7 @@ def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype) -> Parallelize
                               reshard_after_forward=reshard,
                               activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile,
                               loss_parallel=cfg.parallelism.loss_parallel and dims.tp > 1,
-                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8)
+                              sequence_parallel=cfg.parallelism.sequence_parallel, float8=cfg.float8, lora=lora)
 
 
 def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn.Module]:
@@ -226,7 +228,9 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
                              global_batch_size=plan.global_batch_size, spec=plan.spec, args=plan.args,
                              final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
-                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s))
+                             writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s),
+                             transformed=None if plan.lora is None else lora.checkpointing(plan.lora, cfg, plan.spec,
+                                                                                            plan.args))
     window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
     if window is not None:
         ckpt.optional["spike_window"] = window
@@ -244,7 +248,7 @@ def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
 def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype,
              loader: StatefulDataLoader, restart_line: str | None) -> None:
     """The run's first line (a restarted attempt's: what failed, and where it resumed), and the
-    warm-up and chat data notes, on rank 0."""
+    LoRA, warm-up and chat data notes, on rank 0."""
     t = cfg.training
     if dist.get_rank() == 0:
         if restart_line:
@@ -253,6 +257,10 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
         print(f"titanlite: {cfg.model.name} {cfg.model.variant} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
+        if plan.lora is not None:
+            print(f"titanlite: LoRA rank {plan.lora.rank} on {len(plan.lora.targets)} layers"
+                  f"{f', {len(plan.lora.full)} modules trained whole' if plan.lora.full else ''}: "
+                  f"{plan.lora.trained / 1e6:.3g}M parameters train, {plan.lora.frozen / 1e6:.3g}M are frozen", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
         if note := ignored_keys_note(cfg.data):
@@ -304,7 +312,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     rank = dist.get_rank()
     meshes = dims.build_meshes(device.type, cfg.comm.init_timeout_s)
     dtype = param_dtype(t.mixed_precision_param, device)
-    opts = parallelize_options(cfg, dims, dtype)
+    opts = parallelize_options(cfg, dims, dtype, plan.lora)
     parts = build_parts(plan, meshes, opts)
     for part in parts:  # the same values on every layout: f(seed, name, full shape)
         init.materialize(part, device, t.seed)

@@ -3,11 +3,14 @@
     python -m titanlite.tools.convert dcp hf    CKPT_DIR  HF_DIR    [--dtype bfloat16] [--max-shard-gb 5]
     python -m titanlite.tools.convert hf  dcp   HF_DIR    CKPT_DIR  [--model llama3]
     python -m titanlite.tools.convert dcp torch CKPT_DIR  FILE.pt   [--dtype bfloat16]
+    python -m titanlite.tools.convert dcp peft  CKPT_DIR  PEFT_DIR
 
 dcp is a titanlite checkpoint folder (step-N, export-step-N or a converted one; only the
 model is read). hf is a transformers folder (config.json + safetensors). torch is one
 torch.save file of the model's state dict with titanlite names; read it with
-torch.load(path, weights_only=True).
+torch.load(path, weights_only=True). A LoRA run's checkpoint holds its adapter: to hf and
+torch it is merged into its base weights (the run's checkpoint.initial_load_path, or its seed),
+W + scale B A in float32; to peft it is written as a PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from typing import Any
 import torch
 
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors, read_info, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, write_model_checkpoint
+from titanlite.checkpoint.peft import LoRAInfo, merge, to_peft, write_peft
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
-FORMATS = ("dcp", "hf", "torch")
+FORMATS = ("dcp", "hf", "torch", "peft")
 
 
 def _adapter(spec: ModelSpec):
@@ -52,19 +56,44 @@ def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
     return dataclasses.replace(templates[0], **fields)
 
 
-def _read_dcp(path: Path):
+def _base(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights a LoRA run trained on, as it read them (titanlite.parallel.lora.checkpointing)."""
+    if base["format"] == "hf":
+        return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
+    if base["format"] == "dcp":
+        return load_tensors(base["path"], "model.")
+    model = spec.build(args)
+    model.init_weights(base["seed"])
+    return model.state_dict()
+
+
+def _read_dcp(path: Path, merged: bool = True):
+    """(spec, args, the model's state dict, the LoRA run's settings or None); a LoRA run's adapter
+    `merged` into its base weights, else its trained tensors as saved."""
     info = read_info(path)
     spec = get_model_spec(info["model"])
     args = _rebuild(list(spec.flavors.values()), info["args"])
-    return spec, args, load_tensors(path, "model.")
+    record = info.get("transform", {})
+    if "lora" not in record:
+        return spec, args, load_tensors(path, "model."), None
+    lora, trained = LoRAInfo.of(record["lora"]), load_tensors(path, "model.")
+    if not merged:
+        return spec, args, trained, lora
+    return spec, args, merge(_base(spec, args, record["base"]), trained, lora), lora
 
 
 def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",
             dtype: str = "", max_shard_gb: float = 5.0) -> None:
     src_path, dst_path = Path(src), Path(dst)
     cast = (lambda sd: sd) if not dtype else (lambda sd: {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
-    if (src_format, dst_format) == ("dcp", "hf"):
-        spec, args, sd = _read_dcp(src_path)
+    if (src_format, dst_format) == ("dcp", "peft"):
+        spec, args, trained, lora = _read_dcp(src_path, merged=False)
+        if lora is None:
+            raise ConfigError(f"{src_path} is not a LoRA run's checkpoint (no adapter); convert it to hf")
+        base = read_info(src_path)["transform"]["base"]["path"]
+        write_peft(dst_path, *to_peft(trained, lora, _adapter(spec), args, model_shapes(spec, args), base))
+    elif (src_format, dst_format) == ("dcp", "hf"):
+        spec, args, sd, _ = _read_dcp(src_path)
         adapter = _adapter(spec)
         sd = cast(sd)
         out_dtype = next(iter(sd.values())).dtype
@@ -76,11 +105,12 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         net, args = titanlite.load_hf(src_path, model)
         write_model_checkpoint(dst_path, cast(net.state_dict()), model, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
-        _, _, sd = _read_dcp(src_path)
+        _, _, sd, _ = _read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cast(sd), dst_path)
     else:
-        raise ConfigError(f"cannot convert {src_format} to {dst_format}; supported: dcp->hf, hf->dcp, dcp->torch")
+        raise ConfigError(f"cannot convert {src_format} to {dst_format}; supported: dcp->hf, hf->dcp, dcp->torch, "
+                          "dcp->peft")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,9 +93,11 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
             out |= _block_to_hf(prefix, rest.removeprefix("block."), w)
     for k in range(args.mtp_layers):
         prefix = f"model.layers.{args.n_layers + k}."
-        # copies, as the release stores them (safetensors refuses shared storage)
-        out[prefix + "embed_tokens.weight"] = state_dict["tok_embeddings.weight"].clone()
-        out[prefix + "shared_head.head.weight"] = state_dict["output.weight"].clone()
+        # copies, as the release stores them (safetensors refuses shared storage); a part of a
+        # state dict (a LoRA export's single weights) maps what it holds
+        for ours, theirs in (("tok_embeddings.weight", "embed_tokens.weight"), ("output.weight", "shared_head.head.weight")):
+            if ours in state_dict:
+                out[prefix + theirs] = state_dict[ours].clone()
     return out
 
 

@@ -55,7 +55,8 @@ class ReplicatedWeights(ParallelStyle):
             for pname, p in list(mod.named_parameters(recurse=False)):
                 if not isinstance(p, DTensor):
                     mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()],
-                                                                                  run_check=False)))
+                                                                                  run_check=False),
+                                                               requires_grad=p.requires_grad))
 
         return distribute_module(module, mesh, params)
 

@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -32,16 +32,15 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import Checkpoint, Data
 from titanlite.errors import ConfigError, RunError
-from titanlite.checkpoint.hf import (HFAdapter, block_groups, check_hf_config, fresh_line, fresh_names,
-                                    read_safetensors)
+from titanlite.checkpoint.hf import check_hf_config, fresh_line
+from titanlite.checkpoint.weights import check_shapes, load_hf_weights
 from titanlite.model_spec import ModelSpec
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
-                                        SkippedSamples, TrainState)
+                                        SkippedSamples, Transformed, TrainState)
 from titanlite.optim import Optimizers
 
 INFO = "titanlite.json"
@@ -69,16 +68,6 @@ def read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
 
 
-def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Size], where: str) -> None:
-    """First missing key or shape mismatch, as one clear error."""
-    for key, shape in expected.items():
-        if key not in found:
-            raise ConfigError(f"{where} has no '{key}' (the model expects shape {tuple(shape)})")
-        if tuple(found[key]) != tuple(shape):
-            raise ConfigError(f"{where}: '{key}' has shape {tuple(found[key])} but the model's is {tuple(shape)}; "
-                              "the checkpoint was made for a different model config")
-
-
 IDENTITY = ("norm_eps", "rope_theta", "tie_embeddings", "sliding_window", "layer_types", "attn_sinks")
 """DecoderArgs fields that change what a model computes, or which weights it shares, without
 changing any parameter's shape (shapes are compared apart): saved with other values, a
@@ -86,11 +75,15 @@ checkpoint is another model's. The rest of ModelArgs either sets shapes (checked
 or is a training knob (max_seq_len, a MoE's loss coefficient) that may change on resume."""
 
 
-def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
-    """The whole single-device model's state-dict names and shapes (built on meta): the names a
-    checkpoint holds on every layout."""
+def model_shapes(spec: ModelSpec, args: Any, transform: Callable[[nn.Module], None] | None = None
+                 ) -> dict[str, torch.Size]:
+    """The whole single-device model's state-dict names and shapes (built on meta, `transform`ed):
+    the names a checkpoint holds on every layout."""
     with torch.device("meta"):
-        return {k: v.shape for k, v in get_model_state_dict(spec.build(args)).items()}
+        model = spec.build(args)
+        if transform is not None:
+            transform(model)
+        return {k: v.shape for k, v in get_model_state_dict(model).items()}
 
 
 def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: ModelSpec, args: Any,
@@ -167,45 +160,6 @@ def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
     tmp.rename(final)  # atomic on POSIX: the folder appears whole or not at all
 
 
-def _assign_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into those of a model's parameters they name, which may be sharded DTensors."""
-    with torch.no_grad():
-        for key, param in model.state_dict().items():
-            if key not in full:
-                continue  # loaded with another group of tensors
-            src = full[key].to(param.dtype)
-            if isinstance(param, DTensor):
-                # every rank holds the full tensor, so each keeps its slice without communication
-                src = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param = param.to_local()
-            param.copy_(src)
-
-
-def load_hf_weights(parts: list[nn.Module], path: Path, adapter: HFAdapter, args: Any,
-                    whole: Collection[str] | None = None) -> list[str]:
-    """A transformers folder into the parts (sharded or not), one decoder block at a time: a
-    rank holds its own shards and one block's full tensors, never the whole model, and reads no
-    block its parts lack (pipeline stages). Shapes are checked first, from the files' headers.
-    Returns the names of `whole` (the whole model's; default: the parts') that the folder lacks
-    and that keep their initial values (HFAdapter.optional), for the caller to say once."""
-    headers = read_safetensors(path, meta=True)
-    states = [part.state_dict() for part in parts]
-    found = {k: v.shape for k, v in adapter.from_hf(headers, args).items()}
-    fresh = fresh_names(adapter, whole if whole is not None else [k for sd in states for k in sd], found)
-    check_shapes({k: v.shape for sd in states for k, v in sd.items() if k not in fresh}, found, str(path))
-    mine = {k for sd in states for k in sd}
-    unread = adapter.from_hf({}, args)  # what needs no weight (a MoE's zero router bias)
-    for part in parts:
-        _assign_full(part, unread)
-    for names in block_groups(headers):
-        if not (adapter.from_hf({k: headers[k] for k in names}, args).keys() - unread.keys()) & mine:
-            continue
-        full = adapter.from_hf(read_safetensors(path, set(names)), args)
-        for part in parts:
-            _assign_full(part, {k: v for k, v in full.items() if k not in unread})
-    return fresh
-
-
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
     """Committed step folders, newest first, skipping (with a warning) any that cannot be read."""
     steps = []
@@ -256,14 +210,20 @@ class CheckpointManager:
     def __init__(self, cfg: Checkpoint, dump_folder: str, *, parts: list[nn.Module], optimizers: Optimizers,
                  loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
                  args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = (),
-                 writer_group: Callable[[], dist.ProcessGroup] = lambda: dist.new_group(backend="gloo")) -> None:
+                 writer_group: Callable[[], dist.ProcessGroup] = lambda: dist.new_group(backend="gloo"),
+                 transformed: Transformed | None = None) -> None:
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
+        self.transformed = transformed
+        # with frozen weights (LoRA) a checkpoint holds what trains; the initial weights give the rest
+        self.frozen = any(not p.requires_grad for part in parts for p in part.parameters())
+        trained = {n for part in parts for n, p in part.named_parameters() if p.requires_grad}
+        self.initial = ModelState(parts, model_shapes(spec, args).keys() if transformed else None)
         self.root = Path(dump_folder) / cfg.folder
         self.train_state = TrainState()
         self.data = DataState(loader, data, seq_len, global_batch_size)
         self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
         self.tokens_per_step = global_batch_size * seq_len
-        self.states = {"model": ModelState(parts), "optimizer": OptimizerState(optimizers, tied),
+        self.states = {"model": ModelState(parts, trained if self.frozen else None), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
                        "train_state": self.train_state, "rng": RngState(torch.cuda.is_available())}
         self.rank = dist.get_rank()
@@ -313,9 +273,11 @@ class CheckpointManager:
         shard) is passed over with a warning for the one before it, unless checkpoint.load_step
         names it: a step asked for is never swapped for another."""
         candidates = self.candidates() if self.cfg.enable else []
+        if self.cfg.initial_load_path and (self.frozen or not candidates):  # frozen weights: on every start
+            self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
         if not candidates:
-            if self.cfg.initial_load_path:
-                self._initial_load(Path(self.cfg.initial_load_path), self.cfg.initial_load_format)
+            if self.transformed is not None and self.transformed.initial is not None:
+                self.transformed.initial(self.parts)
             return 0
         failed = []
         for i, step in enumerate(candidates):
@@ -342,7 +304,12 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
-        meta = self._check_saved(path)
+        meta = self._check_saved(path, self.states["model"])
+        saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
+        for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):
+            raise ConfigError(f"{path} was saved with {key} {saved.get(key)}, but this run has {mine.get(key)}: it would "
+                              "resume another run's training; restore those settings, or give this run its own "
+                              "job.dump_folder")
         self.data.check_saved(meta.state_dict_metadata)
         states = {k: v for k, v in self.states.items() if k not in self.optional}
         if "rng.cuda" not in meta.state_dict_metadata:
@@ -354,16 +321,18 @@ class CheckpointManager:
             print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
         return self.train_state.step
 
-    def _check_saved(self, path: Path) -> Metadata:
+    def _check_saved(self, path: Path, model: ModelState) -> Metadata:
         """The preflight's check_saved_model again, on the ranks: the last line of defence."""
         meta = read_metadata(path)
-        mine = {k: v.shape for k, v in self.states["model"].state_dict().items()}
-        check_saved_model(path, read_info(path), meta, self.spec, self.args, mine, model_shapes(self.spec, self.args))
+        mine = {k: v.shape for k, v in model.state_dict().items()}
+        transform = None if self.transformed is None else self.transformed.apply
+        check_saved_model(path, read_info(path), meta, self.spec, self.args, mine,
+                          model_shapes(self.spec, self.args, transform))
         return meta
 
     def _load_model_only(self, path: Path) -> None:
-        self._check_saved(path)
-        _read({"model": self.states["model"]}, path)
+        self._check_saved(path, self.initial)
+        _read({"model": self.initial}, path)
 
     def _initial_load(self, path: Path, fmt: str) -> None:
         if fmt == "dcp":
@@ -386,8 +355,9 @@ class CheckpointManager:
     # -- saving --
 
     def _info(self, step: int, model_only: bool, **extra: Any) -> dict[str, Any]:
+        record = {} if self.transformed is None else {"transform": self.transformed.record}
         return {"step": step, "model": self.spec.name, "args": dataclasses.asdict(self.args),
-                "model_only": model_only, **extra}
+                "model_only": model_only, **record, **extra}
 
     def wait_for_staging(self) -> None:
         """Call before optimizer.step(): an async save must have copied the weights it writes."""
@@ -418,6 +388,8 @@ class CheckpointManager:
         """Call after every optimizer step; saves when `step` is due (and always the final step),
         or when forced (a stop signal)."""
         self._finish_pending(block=False)
+        if step == self.final_step and self.transformed is not None and self.transformed.final is not None:
+            self.transformed.final(self.parts)
         if not self.cfg.enable:
             return
         self.train_state.step = step

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -20,18 +20,39 @@ from titanlite.optim import Optimizers
 
 
 class ModelState:
-    """The union of the parts' state dicts, keyed by whole-model parameter names."""
+    """The union of the parts' state dicts, keyed by whole-model parameter names; with `keys`, only
+    those (a run with frozen weights saves what trains, and loads its base's names apart)."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
-        self.parts = parts
+    def __init__(self, parts: list[nn.Module], keys: Collection[str] | None = None) -> None:
+        self.parts, self.keys = parts, keys
+
+    def _of(self, part: nn.Module) -> dict[str, Any]:
+        return {k: v for k, v in get_model_state_dict(part).items() if self.keys is None or k in self.keys}
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        return {k: v for part in self.parts for k, v in self._of(part).items()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for part in self.parts:
-            mine = get_model_state_dict(part).keys()
-            set_model_state_dict(part, {k: v for k, v in sd.items() if k in mine})
+            mine = self._of(part).keys()
+            set_model_state_dict(part, {k: v for k, v in sd.items() if k in mine},
+                                 options=StateDictOptions(strict=self.keys is None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Transformed:
+    """What a model transform applied before the parallel plan (LoRA: titanlite.parallel.lora)
+    asks of checkpoints, beside what frozen weights ask of any run: a checkpoint holds what
+    trains, and the frozen weights come from checkpoint.initial_load_path on every start."""
+
+    apply: Callable[[nn.Module], None]
+    """The transform, applied to the whole model built on meta: the names a checkpoint may hold."""
+    record: dict[str, Any]
+    """Saved in titanlite.json; a checkpoint saved with another record is not resumed."""
+    initial: Callable[[list[nn.Module]], None] | None = None
+    """Loads the transform's own initial weights (a PEFT adapter) on a fresh start, after the model's."""
+    final: Callable[[list[nn.Module]], None] | None = None
+    """Runs on every rank after the last step, given the parts (the PEFT export)."""
 
 
 # Flattened: keyed by parameter names, not by positions in one optimizer, so the state of

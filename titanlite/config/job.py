@@ -372,6 +372,36 @@ class Float8:
 
 
 @dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters (docs/post_training.md): every weight of the model is frozen, and each
+    target linear layer W gains a trained update scale * B A (A: rank x in, B: out x rank, B
+    zero at first), scale = alpha / rank (alpha / sqrt(rank) with rslora)."""
+
+    rank: int = 0
+    """Rank of each adapter; > 0 turns LoRA on. 0: every weight trains (pre-training, full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapters' scale numerator (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input, in training; in [0, 1). Its masks are drawn per rank, so a
+    run with dropout matches another layout in distribution, not number for number."""
+    rslora: bool = False
+    """Rank-stabilised scaling, alpha / sqrt(rank) (PEFT's use_rslora)."""
+    target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
+    """Linear layers that get an adapter, by titanlite name (attention.wq, feed_forward.w2, output)
+    or by the family's Hugging Face name (q_proj, mlp.down_proj, lm_head); a name takes every
+    linear whose full name is it or ends with it. Each must take at least one."""
+    train_in_full: list[str] = field(default_factory=list)
+    """Modules trained whole beside the adapters (PEFT's modules_to_save), by the same names: for
+    example output (lm_head). The rest of the model stays frozen."""
+    initial_adapter: str = ""
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) the adapters start
+    from, instead of A drawn and B zero; its rank, alpha, rslora and targets must be these."""
+    export_folder: str = "peft"
+    """At the end of the run, the adapter is written there as a PEFT folder (under job.dump_folder
+    when relative); empty: no export (python -m titanlite.tools.convert dcp peft does it from a checkpoint)."""
+
+
+@dataclass(frozen=True)
 class MoE:
     """Mixture-of-experts training knobs (model families whose blocks use titanlite.layers.moe)."""
 
@@ -438,6 +468,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
+    lora: LoRA = field(default_factory=LoRA)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -294,6 +294,7 @@ def check_config(cfg: JobConfig) -> None:
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
+    _check_lora(cfg)
     _check_replicas(cfg)
     _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
     _check_rerun(cfg)
@@ -301,6 +302,30 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.folder: '{c.folder}' must be a relative path inside job.dump_folder")
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(f"checkpoint.initial_load_path: '{c.initial_load_path}' is not a folder")
+
+
+def _check_lora(cfg: JobConfig) -> None:
+    """[lora]'s own values, and what a LoRA run cannot do (its targets are checked on the model, in preflight)."""
+    lo = cfg.lora
+    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0 or (lo.rank and not lo.target_modules):
+        raise ConfigError(f"lora: need rank >= 0 (0: off), alpha > 0, dropout in [0, 1) and target_modules (e.g. "
+                          f"wq,wv), got rank {lo.rank}, alpha {lo.alpha}, dropout {lo.dropout}, {lo.target_modules}")
+    adapter = Path(lo.initial_adapter) / "adapter_config.json"
+    if lo.initial_adapter and (not lo.rank or not adapter.is_file()):
+        raise ConfigError(f"lora.initial_adapter: '{lo.initial_adapter}' needs lora.rank > 0 (its r) and a PEFT folder "
+                          "(with adapter_config.json)")
+    if lo.export_folder and (Path(lo.export_folder).is_absolute() or ".." in Path(lo.export_folder).parts):
+        raise ConfigError(f"lora.export_folder: '{lo.export_folder}' must be a relative path inside job.dump_folder")
+    for key, on, why in [
+            ("float8.enable", cfg.float8.enable, "float8 base weights are not supported yet (untested: no GPU)"),
+            ("moe.bias_update_rate", cfg.moe.bias_update_rate > 0, "it moves the frozen routers' selection bias, "
+                                                                 "which neither the adapter checkpoint nor PEFT holds"),
+            ("checkpoint.export_dtype", bool(cfg.checkpoint.export_dtype), "the run exports its adapter "
+                                                                          "(lora.export_folder); convert dcp hf merges it"),
+            ("checkpoint.create_seed_checkpoint", cfg.checkpoint.create_seed_checkpoint,
+             "its base weights come from checkpoint.initial_load_path or the seed")]:
+        if on and lo.rank:
+            raise ConfigError(f"{key} with lora.rank {lo.rank}: {why}; set {key} off or lora.rank 0")
 
 
 def _check_replicas(cfg: JobConfig) -> None:

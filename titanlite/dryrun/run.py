@@ -122,7 +122,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
 
     t, dims, n = cfg.training, plan.dims, stage_depth(plan)
     plan = shallow_plan(plan, n_blocks)
-    opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
+    opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param), plan.lora)
     parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
@@ -140,6 +140,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
         update = Update.of(parts, step, meshes.stage_ranks, t.max_norm, optimizers, hooks)
         params = update.params
+        weights = [p for part in parts for p in part.parameters()]  # the frozen ones too (LoRA's base)
         # trace a steady-state step: AdamW creates its moments in the first step
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -154,7 +155,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             batches.append(batch)
         state = [v for opt in optimizers.optimizers for s in opt.state.values() for k, v in s.items() if k != "step"]
         buffers = [b for part in parts for b in part.buffers()]  # counted with the parameters (RoPE tables)
-        tracer.track([*params, *buffers, *state, *(v for b in batches for v in b.values())])
+        tracer.track([*weights, *buffers, *state, *(v for b in batches for v in b.values())])
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
@@ -165,7 +166,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             h.remove()
         watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        return tracer.result([*params, *buffers], grads, state, times=(n - n_blocks) // period + 1,
+        return tracer.result([*weights, *buffers], grads, state, times=(n - n_blocks) // period + 1,
                              **watch.replay(optimizers))
 
 

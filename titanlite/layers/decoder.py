@@ -61,12 +61,15 @@ class Recompute:
     checkpoint contexts (per-op AC), None for the whole block."""
 
     context_fn: Callable[[], tuple] | None = None
+    random: bool = False
+    """The block draws random numbers (LoRA's dropout): recomputation restores the RNG state
+    first, so that it draws what the forward drew (else the gradients are another mask's)."""
 
     def __call__(self, forward: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
         # compile traces a context_fn it is handed, but not torch's default one (torch 2.15:
         # "checkpoint not implemented for LazyVariableTracker context_fn"): pass none then
         options = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.random, **options, **kwargs)
 
 
 class Block(nn.Module):

@@ -84,7 +84,11 @@ def to_empty(model: nn.Module, device: torch.device | str) -> None:
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-built (and parallelized) model on `device`, ties kept (`to_empty`), then
     give it values: `model.init_buffers()` (what construction computes, e.g. RoPE tables), then
-    `model.init_weights(seed)`."""
+    `model.init_weights(seed)`, then each sub-module's own `init_own(seed, its full name)` where it
+    declares one (a module a transform added, as a LoRA adapter, whose draw the family cannot know)."""
     to_empty(model, device)
     model.init_buffers()
     model.init_weights(seed)
+    for name, module in model.named_modules():
+        if hasattr(module, "init_own"):
+            module.init_own(seed, name)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config.job import LRScheduler, Optimizer
+from titanlite.errors import ConfigError
 from titanlite.optim.muon import Muon, split_params
 
 
@@ -75,16 +76,22 @@ def _muon(params: list[nn.Parameter], cfg: Optimizer, ns_dtype: torch.dtype) -> 
 
 def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int,
                      ns_dtype: torch.dtype = torch.float32) -> Optimizers:
-    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU)."""
+    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU). The
+    optimizers hold the parameters that require grad, and only those: a frozen weight (LoRA's
+    base) has no state, no weight decay and no update."""
     owners, opts = [], []
     for part in parts:
-        muon, adamw = split_params(part, cfg.muon_groups) if cfg.name == "Muon" else ([], list(part.parameters()))
+        muon, adamw = (split_params(part, cfg.muon_groups) if cfg.name == "Muon"
+                       else ([], [p for p in part.parameters() if p.requires_grad]))
         if muon:
             owners.append(part)
             opts.append(_muon(muon, cfg, ns_dtype))
         if adamw:  # a pipeline stage may hold only Muon's kind
             owners.append(part)
             opts.append(_adamw(adamw, cfg))
+    if not opts:
+        raise ConfigError("this rank's part of the model has no parameter to train (every one is frozen); with "
+                          "pipeline stages, give each stage a LoRA target (lora.target_modules)")
     return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
 
 

@@ -209,8 +209,10 @@ class Muon(torch.optim.Optimizer):
 
 
 def split_params(part: nn.Module, groups: list[str]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """A part's parameters as (Muon's, AdamW's)."""
+    """A part's parameters that train as (Muon's, AdamW's). A LoRA adapter's matrices are in the
+    group of the layer they adapt (layers.<i>.attention.wq.lora_A.weight: attention)."""
     muon, adamw = [], []
     for name, p in part.named_parameters():
-        (muon if muon_group(name, p) in groups else adamw).append(p)
+        if p.requires_grad:
+            (muon if muon_group(name, p) in groups else adamw).append(p)
     return muon, adamw

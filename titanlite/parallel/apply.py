@@ -1,8 +1,11 @@
 """The one parallelize order, for every model family and every model part:
 
-float8 -> tensor parallel -> expert parallel -> activation checkpointing -> per-block compile -> FSDP (blocks
-bottom-up, then the root). Context parallel needs no module change (attention reads the
-cp group from its AttnContext); a pipeline stage is cut before this runs on it.
+float8 -> LoRA -> tensor parallel -> expert parallel -> activation checkpointing -> per-block compile -> FSDP
+(blocks bottom-up, then the root). LoRA adapts layers and freezes the rest before the plan, so
+tensor parallel shards each adapter as its layer (titanlite.parallel.lora) and FSDP shards
+adapters and frozen weights alike. Context parallel needs no module change (attention reads the
+cp group from its AttnContext); a pipeline stage is cut before this runs on it. No step may
+change which parameters train: `parallelize` checks it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.errors import ConfigError
 from titanlite.layers.decoder import Recompute
+from titanlite.layers.lora import LoRASetup, apply_lora
 from titanlite.model_spec import ModelSpec
 from titanlite.layers.moe import moe_layers
 from titanlite.layers.mtp import mtp_blocks
 from titanlite.parallel.expert import apply_ep, set_stats_group, shard_experts
 from titanlite.parallel.float8 import apply_float8
+from titanlite.parallel.lora import with_adapters
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.tensor import apply_tp, between_layout, check_tp_covered
 
@@ -40,6 +45,8 @@ class ParallelizeOptions:
     sequence_parallel: bool = True
     """With TP, shard the sequence between blocks (norms and residual stream)."""
     float8: Float8 = Float8()
+    lora: LoRASetup | None = None
+    """Adapters on these layers, every other weight frozen (titanlite.checkpoint.lora.plan_lora); None: all train."""
 
 
 # Per-op selective AC keeps the outputs of these ops (the expensive ones: matmuls,
@@ -77,11 +84,12 @@ def _selective_contexts() -> tuple:
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
-def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
+def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint, random: bool = False) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
     (selective, layer), or in every block all but the matmul/attention outputs (selective, op).
     A block declares a `recompute` field, which it checkpoints its own forward with
-    (titanlite.layers.decoder.Block; models/transformers gives transformers' layers one)."""
+    (titanlite.layers.decoder.Block; models/transformers gives transformers' layers one).
+    `random`: the blocks draw random numbers (Recompute.random)."""
     if cfg.mode == "none":
         return
     per_op = cfg.mode == "selective" and cfg.selective_type == "op"
@@ -94,9 +102,9 @@ def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
                               "its forward checkpoints itself with); declare one, as titanlite.layers.decoder.Block "
                               "does, or set activation_checkpoint.mode = none")
         if per_op:
-            block.recompute = Recompute(_selective_contexts)
+            block.recompute = Recompute(_selective_contexts, random)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
-            block.recompute = Recompute()
+            block.recompute = Recompute(random=random)
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
@@ -160,8 +168,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
     every_block = all_blocks(model, spec)
     if opts.float8.enable:
         apply_float8(every_block, opts.float8, fsdp=meshes.dims.fsdp)
+    if opts.lora is not None:
+        apply_lora(model, opts.lora)
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
     if meshes.dims.tp > 1:
         plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel, model)
+        plan = plan if opts.lora is None else with_adapters(plan)
         # without FSDP autocast gives the mixed precision, and the residual stream is float32
         autocast = opts.param_dtype if not meshes.dims.fsdp and opts.param_dtype != torch.float32 else None
         apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel, gather_dtype=autocast)
@@ -171,8 +183,12 @@ def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: Paralle
         check_tp_covered(model, spec.name, spec.blocks, meshes.dims.tp)
     if meshes.dims.dp * meshes.dims.cp * meshes.dims.tp > 1:
         set_stats_group(model, meshes.routed["dp_cp_tp"].get_group())
-    apply_ac(every_block, opts.activation_checkpoint)
+    apply_ac(every_block, opts.activation_checkpoint, random=opts.lora is not None and opts.lora.dropout > 0)
     if opts.compile.enable:
         apply_compile(every_block)
     if meshes.dims.fsdp:
         apply_fsdp(model, every_block, meshes, opts)
+    changed = sorted(trains ^ {n for n, p in model.named_parameters() if p.requires_grad})
+    if changed:  # a frozen weight that trains (or the reverse) is a silent wrong result: a bug to fix here
+        raise RuntimeError(f"the parallel plan changed whether {changed[0]} trains ({len(changed)} parameters): "
+                           "a step of titanlite.parallel.apply rebuilt it without keeping requires_grad")

@@ -93,7 +93,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             moe.experts.register_parameter(
-                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)))
+                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
+                                   requires_grad=p.requires_grad))
         moe.set_dispatch(ExpertParallelDispatch(ep_mesh.get_group(), ep))
         for name, p in moe.experts.named_parameters():
             if not isinstance(p, DTensor):

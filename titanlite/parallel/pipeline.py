@@ -264,8 +264,10 @@ class PipelineStep:
         so the same optimizer update keeps them equal. `mirrors` are the copies past the first
         stage, which the gradient norm must not count again. Both copies have one layout (the
         stages share dp, cp and tp), so the local shards add up."""
+        # a frozen shared weight (LoRA's base) has no gradients to sum
         self.copies = [[part.get_parameter(n) for part in self.parts for n in names
-                        if n in dict(part.named_parameters())] for names in self.plan.tied]
+                        if n in dict(part.named_parameters()) and part.get_parameter(n).requires_grad]
+                       for names in self.plan.tied]
         first = self.parts[ids.index(0)] if 0 in ids else None
         self.mirrors = tuple(p for copies in self.copies for p in copies
                              if first is None or all(p is not q for q in first.parameters()))

@@ -39,6 +39,17 @@ class TPPlan:
     with the heads, where a block has them."""
 
 
+class NormParallel(SequenceParallel):
+    """torch's SequenceParallel, each parameter keeping its requires_grad (torch's makes every one
+    trainable again: a frozen norm under LoRA would train)."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(DTensor.from_local(p, device_mesh, [Replicate()],
+                                                                             run_check=False),
+                                                          requires_grad=p.requires_grad))
+
+
 def between_layout(sequence_parallel: bool) -> Placement:
     """The residual stream's layout between blocks, which a family's plan is written against."""
     return Shard(1) if sequence_parallel else Replicate()
@@ -52,7 +63,8 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
     """
     def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
+                                                       requires_grad=p.requires_grad))
 
     distribute_module(module, mesh, params,
                       input_fn=lambda mod, inputs, mesh: tuple(
@@ -66,7 +78,8 @@ def run_whole(module: nn.Module, mesh: DeviceMesh, inputs: Placement) -> nn.Modu
     output handed back plain."""
     def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
         for pname, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False)))
+            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
+                                                       requires_grad=p.requires_grad))
 
     return distribute_module(module, mesh, params,
                              input_fn=lambda mod, xs, mesh: tuple(DTensor.from_local(x, mesh, [inputs], run_check=False)
@@ -126,8 +139,8 @@ def decoder_plan(between: Placement, loss_parallel: bool, qk_norm: bool = False,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
     }
-    norms = {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-             "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)} if qk_norm else {}
+    norms = {"attention.q_norm": NormParallel(sequence_dim=2, use_local_output=True),
+             "attention.k_norm": NormParallel(sequence_dim=2, use_local_output=True)} if qk_norm else {}
     block = {
         # (x, cos, sin, ctx): only x is distributed; the RoPE tables are whole on every rank.
         # x stays a DTensor so that wq, wk and wv's input gradients (Partial) are summed first
@@ -187,6 +200,7 @@ def _check_split_widths(block: nn.Module, entries: dict[str, ParallelStyle], tp:
     the parameter, before any weight is allocated: DTensor would shard it unevenly without a word."""
     for name, style in entries.items():
         module = block.get_submodule(name)
+        style = getattr(style, "base", style)  # a style that shards an adapter too (titanlite.parallel.lora)
         dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
         weight = getattr(module, "weight", None)
         if dim is None or not isinstance(weight, torch.Tensor) or weight.shape[dim] % tp == 0:
@@ -245,8 +259,8 @@ def apply_tp(model: nn.Module, blocks: dict[str, nn.Module], mesh: DeviceMesh, p
     root = {n: plan.root[n] for n in _present(model, list(plan.root))}
     block = dict(plan.block)
     if sequence_parallel:
-        root |= {n: SequenceParallel() for n in _present(model, plan.root_norms)}
-        block |= {n: SequenceParallel() for n in plan.block_norms}
+        root |= {n: NormParallel() for n in _present(model, plan.root_norms)}
+        block |= {n: NormParallel() for n in plan.block_norms}
     else:
         norms = [model.get_submodule(n) for n in _present(model, plan.root_norms)]
         # as under sequence parallel, a block holds the norms it has (a fork may drop ffn_norm)
@@ -268,7 +282,8 @@ def apply_tp(model: nn.Module, blocks: dict[str, nn.Module], mesh: DeviceMesh, p
             owner, _, attr = name.rpartition(".")
             if isinstance(getattr(b.get_submodule(owner), attr, None), nn.Parameter):
                 param = getattr(b.get_submodule(owner), attr)
-                setattr(b.get_submodule(owner), attr, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+                setattr(b.get_submodule(owner), attr, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                                   requires_grad=param.requires_grad))
         if gather_dtype is not None:
             for n, style in block.items():
                 if isinstance(style, PrepareModuleInput) and _has(b, n):

@@ -1,0 +1,306 @@
+"""LoRA: adapters on every layout, adapter checkpoints, and PEFT interop checked by logits.
+
+One gloo launch (tests/lora_layouts.py) runs the real trainer on FSDP 2 (saving at steps 5 and
+10), FSDP 2 again resumed from step 5, TP 2, PP 2, CP 2 (with activation checkpointing) and HSDP
+2 x 1 (compiled) on llama3, and EP 2 on qwen3_moe; each llama3 run starts from a transformers folder (TP 2
+from the same weights as a titanlite checkpoint) and from an adapter PEFT made (random, non-zero
+lora_B), with Muon on the adapters and AdamW on lm_head, trained whole. Every loss equals the
+single-process run's, the optimizer holds exactly the adapters and lm_head, every frozen weight
+is bitwise what it was loaded as, and the resumed run's losses and adapter are bitwise the
+straight run's. The PEFT tests run in this process with peft and transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import titanlite
+from harness import TINY, assert_parity, reference, spawn_ranks
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from titanlite.checkpoint.dcp import model_shapes, read_metadata, write_model_checkpoint
+from titanlite.checkpoint.hf import read_safetensors, write_hf_folder
+from titanlite.checkpoint.peft import LoRAInfo, from_peft, to_peft, write_peft
+from titanlite.checkpoint.weights import assign_full
+from titanlite.config import load as config_load
+from titanlite.config.job import LoRA
+from titanlite.data.loader import build_dataloader
+from titanlite.errors import ConfigError
+from titanlite.loss import IGNORE_INDEX
+from titanlite.model_spec import get_model_spec, model_args
+from titanlite.checkpoint.lora import plan_lora
+from titanlite.layers.lora import apply_lora
+from titanlite.preflight import make_plan, preflight
+from titanlite.tools.convert import main as convert_main
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS = "q_proj,k_proj,v_proj,o_proj,down_proj"  # by their Hugging Face names
+
+
+def _hf_base(name: str, folder: Path, seed: int = 7, layers: int = 0) -> tuple[torch.nn.Module, object]:
+    """A random titanlite model (non-trivial norms; the debug flavor, with `layers` blocks if
+    given) written as a transformers folder."""
+    spec = get_model_spec(name)
+    args = model_args(spec, "debugmodel", 0, 64)
+    args = dataclasses.replace(args, n_layers=layers) if layers else args
+    model = spec.build(args)
+    model.init_weights(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed))
+    write_hf_folder(folder, spec.hf.to_hf(model.state_dict(), args), spec.hf.config_to_hf(args, torch.float32))
+    return model, args
+
+
+def _load_peft(base: Path, adapter: Path) -> PeftModel:
+    """transformers' model with PEFT's load of `adapter`; a missing or unexpected adapter key fails."""
+    hf = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager").float().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(hf, adapter).eval()
+    assert not [w for w in caught if "adapter keys" in str(w.message)], [str(w.message) for w in caught]
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert set(get_peft_model_state_dict(model)) == set(saved)  # nothing missing, nothing left unread
+    return model
+
+
+@pytest.mark.parametrize("name,targets,full,rslora", [
+    ("llama3", "wq,wk,wv,wo,w1,w2,w3", "output", False),          # the q/k row permutation
+    ("qwen3", "q_proj,k_proj,v_proj,o_proj,mlp.gate_proj,up_proj,w2", "norm", True),
+    ("qwen3_moe", "wq,wk,wv,wo", "lm_head", False)])
+def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp_path):
+    model, args = _hf_base(name, tmp_path / "base", layers=2)
+    spec = get_model_spec(name)
+    setup = plan_lora(LoRA(rank=4, alpha=8.0, rslora=rslora, target_modules=targets.split(","),
+                           train_in_full=[full]), spec, args)
+    apply_lora(model, setup)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-zero random adapters: a wrong mapping cannot hide behind B = 0
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    info = LoRAInfo(4, 8.0, rslora, 0.0, tuple(sorted(setup.targets)), tuple(sorted(setup.full)))
+    write_peft(tmp_path / "peft", *to_peft(trained, info, spec.hf, args, model_shapes(spec, args), str(tmp_path / "base")))
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
+    peft = _load_peft(tmp_path / "base", tmp_path / "peft")
+    with torch.no_grad():
+        ours, theirs = model.eval()(tokens), peft(tokens).logits
+        with peft.disable_adapter():
+            base = peft(tokens).logits
+    assert (ours - base).abs().max() > 1.0  # the adapters change the logits by far more than the tolerance
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+# ---- the layouts launch ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The runs of the module doc, their reference runs, and the folders they started from."""
+    root = tmp_path_factory.mktemp("lora")
+    hf_model, args = _hf_base("llama3", root / "base")
+    write_model_checkpoint(root / "base_dcp", hf_model.state_dict(), "llama3", args)
+    made = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base").float(),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS.split(","), modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for n, p in made.named_parameters():
+            if p.requires_grad:  # every lora_A and lora_B, and PEFT's trained copy of lm_head
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    made.save_pretrained(root / "made")
+    lora = [*TINY, "--training.global_batch_size", "8", "--lora.rank", "4", "--lora.alpha", "8",
+            "--lora.target_modules", TARGETS, "--lora.train_in_full", "lm_head", "--lora.initial_adapter",
+            str(root / "made"), "--checkpoint.initial_load_path", str(root / "base"), "--checkpoint.initial_load_format",
+            "hf", "--optimizer.name", "Muon", "--optimizer.lr", "3e-3"]
+    moe = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8", "--lora.rank", "4",
+           "--lora.target_modules", "wq,wv", "--moe.aux_loss_coeff", "0.01"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    runs = {
+        "fsdp2": [*lora, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
+        "resumed": [*lora, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
+                    "--checkpoint.load_step", "5", "--lora.export_folder", "peft_resumed"],
+        "tp2": [*lora, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                "--checkpoint.initial_load_path", str(root / "base_dcp"), "--checkpoint.initial_load_format", "dcp"],
+        "pp2": [*lora, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        "cp2": [*lora, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2",
+                "--activation_checkpoint.mode", "full"],
+        "hsdp2x1": [*lora, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
+                    "--compile.enable", "true"],
+        "ep2": [*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+    }
+    dumps = {name: root / ("fsdp2" if name == "resumed" else name) for name in runs}
+    argv = " + ".join(" ".join([*args, "--job.dump_folder", str(dumps[name])]) for name, args in runs.items())
+    codes, output = spawn_ranks(2, [str(REPO / "tests" / "lora_layouts.py"), *argv.split()], timeout=900)
+    refs = {"llama3": reference([*lora, "--training.local_batch_size", "8"]),
+            "qwen3_moe": reference([*moe, "--training.local_batch_size", "8"])}
+    return dict(root=root, runs=runs, dumps=dumps, output=output, codes=codes, refs=refs, lora=lora)
+
+
+def _rows(dump: Path, run: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r and (run is None or r["run"] == run)]
+
+
+def test_every_layout_matches_one_process_and_trains_only_the_adapters(layouts):
+    out = layouts["output"]
+    for i, name in enumerate(layouts["runs"]):
+        lines = re.findall(rf"rank \d run {i}: (.*)", out)
+        assert len(lines) == 2 and all("optimizer exact: True" in x and "frozen unchanged: True" in x for x in lines), \
+            (name, lines, out[-4000:])
+    for name in ("fsdp2", "tp2", "pp2", "cp2", "hsdp2x1", "ep2"):
+        ref = layouts["refs"]["qwen3_moe" if name == "ep2" else "llama3"]
+        got = _rows(layouts["dumps"][name], "straight" if name == "fsdp2" else None)
+        assert_parity(ref.losses, [r["loss"] for r in got])
+        diffs = [abs(a - r["loss"]) / a for a, r in zip(ref.losses, got)]
+        print(f"{name}: first-step loss rel. diff {diffs[0]:.1e}, worst of {len(diffs)} steps {max(diffs):.1e}")
+
+
+def test_resume_is_bitwise_and_a_checkpoint_holds_the_adapter_only(layouts):
+    dump = layouts["dumps"]["fsdp2"]
+    straight, resumed = _rows(dump, "straight"), _rows(dump, "resumed")
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]]
+    a, b = load_file(dump / "peft" / "adapter_model.safetensors"), load_file(dump / "peft_resumed" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = read_metadata(dump / "checkpoint" / "step-5").state_dict_metadata
+    size = {k: m.size.numel() * 4 for k, m in meta.items() if hasattr(m, "size")}
+    model = {k.removeprefix("model."): v for k, v in size.items() if k.startswith("model.")}
+    assert all(".lora_" in k or k == "output.weight" for k in model) and len(model) == 4 * 5 * 2 + 1
+    whole = sum(s.numel() * 4 for s in model_shapes(*_llama_spec_args()).values())
+    trained = sum(model.values())
+    # the adapter, Muon's momentum (adapters) and AdamW's two moments (lm_head), the data cursor
+    assert sum(size.values()) <= 3 * trained + 4096 < whole / 3, (sum(size.values()), trained, whole)
+
+
+def _llama_spec_args():
+    spec = get_model_spec("llama3")
+    return spec, model_args(spec, "debugmodel", 0, 64)
+
+
+def test_peft_adapter_imports_and_trains_on(layouts):
+    """PEFT's adapter in titanlite gives PEFT's logits, and the single-process run started from it
+    has the PEFT model's loss on its first batch, and trains on."""
+    root = layouts["root"]
+    cfg, _ = config_load.load([*layouts["lora"], "--training.local_batch_size", "8", "--job.dump_folder",
+                               str(root / "probe")])
+    plan = preflight(cfg, 1)
+    batch = next(iter(build_dataloader(cfg.data, plan.tokenizer, seq_len=64, global_batch_size=8,
+                                       local_batch_size=8, dp_rank=0, dp_degree=1)))
+    peft = _load_peft(root / "base", root / "made")
+    model, args = titanlite.load_hf(root / "base", "llama3")
+    spec = get_model_spec("llama3")
+    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=TARGETS.split(","), train_in_full=["lm_head"]), spec, args)
+    apply_lora(model, setup)
+    info = LoRAInfo(4, 8.0, False, 0.0, tuple(sorted(setup.targets)), tuple(sorted(setup.full)))
+    assign_full(model, from_peft(root / "made", info, spec.hf, args, model_shapes(spec, args)))
+    with torch.no_grad():
+        logits, ours = peft(batch["input_ids"]).logits, model.eval()(batch["input_ids"])
+        with peft.disable_adapter():
+            base = peft(batch["input_ids"]).logits
+    assert (ours - base).abs().max() > 1.0 and (ours - logits).abs().max().item() <= 1e-5
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                             ignore_index=IGNORE_INDEX)
+    ref = layouts["refs"]["llama3"].losses
+    assert abs(ref[0] - loss.item()) / loss.item() < 1e-5 and ref[-1] < ref[0]
+
+
+def test_export_merge_and_convert_agree_with_peft(layouts, tmp_path):
+    root, dump = layouts["root"], layouts["dumps"]["fsdp2"]
+    convert_main(["dcp", "peft", str(dump / "checkpoint" / "step-10"), str(tmp_path / "converted")])
+    a, b = load_file(dump / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "converted" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((dump / "peft" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"], config["task_type"],
+            config["base_model_name_or_path"]) == ("LORA", 4, 8.0, False, "CAUSAL_LM", str((root / "base").resolve()))
+    assert sorted(config["target_modules"]) == sorted(TARGETS.split(",")) and config["modules_to_save"] == ["lm_head"]
+    convert_main(["dcp", "hf", str(dump / "checkpoint" / "step-10"), str(tmp_path / "merged")])
+    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()
+    merged = read_safetensors(tmp_path / "merged")
+    theirs = _load_peft(root / "base", dump / "peft").merge_and_unload().state_dict()
+    assert merged.keys() == theirs.keys()
+    assert max((merged[k] - theirs[k]).abs().max().item() for k in merged) <= 1e-6
+    base = read_safetensors(root / "base")
+    assert (merged["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-3
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,message", [
+    (["--lora.target_modules", "wq,attention.wz"], "lora.target_modules: 'attention.wz' matches no module"),
+    (["--model.name", "qwen3_moe", "--lora.target_modules", "experts"], "names layers.0.moe.experts, a GroupedExperts"),
+    (["--model.name", "qwen3_moe", "--lora.target_modules", "mlp.gate"], "takes layers.0.moe.router.gate, a MoE router's gate"),
+    (["--model.name", "qwen3_5", "--model.flavor", "debugmodel", "--lora.target_modules", "wq"],
+     "has no transformers weight of its own in qwen3_5's mapping"),
+    (["--lora.train_in_full", "attention"], "lora.train_in_full takes layers.0.attention, which lora.target_modules"),
+    (["--model.flavor", "debugmodel_tied", "--lora.train_in_full", "output"], "are one weight (tied)"),
+    (["--lora.train_in_full", "nothing_here"], "lora.train_in_full: 'nothing_here' matches no module"),
+    (["--float8.enable", "true"], "float8.enable with lora.rank 4"),
+    (["--moe.bias_update_rate", "0.001", "--model.name", "qwen3_moe"], "moe.bias_update_rate with lora.rank 4"),
+    (["--checkpoint.export_dtype", "bfloat16"], "checkpoint.export_dtype with lora.rank 4"),
+    (["--lora.alpha", "0"], "lora: need rank >= 0 (0: off), alpha > 0"),
+    (["--lora.target_modules", ""], "and target_modules (e.g. wq,wv), got rank 4, alpha 16.0, dropout 0.0, []"),
+], ids=["nothing", "experts", "router", "fused", "overlap", "tied", "full_nothing", "float8", "router_bias", "export_dtype",
+        "alpha", "empty"])
+def test_bad_lora_input_is_one_line_before_launch(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        cfg, _ = config_load.load([*TINY, "--lora.rank", "4", *extra])
+        make_plan(cfg, 1)
+    assert "\n" not in str(err.value)
+
+
+def test_an_adapter_for_other_settings_is_refused(tmp_path):
+    _, args = _hf_base("llama3", tmp_path / "base", layers=1)
+    made = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                          LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj"]))
+    made.save_pretrained(tmp_path / "made")
+    cfg, _ = config_load.load([*TINY, "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "q_proj",
+                               "--lora.initial_adapter", str(tmp_path / "made")])
+    with pytest.raises(ConfigError, match="lora.initial_adapter .* has r=8"):  # before launch
+        make_plan(cfg, 1)
+    spec = get_model_spec("llama3")
+    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
+    info = LoRAInfo(4, 8.0, False, 0.0, tuple(sorted(setup.targets)), ())
+    with pytest.raises(ConfigError, match="has r=8, lora_alpha=8, use_rslora=False; this run has lora.rank 4"):
+        from_peft(tmp_path / "made", info, spec.hf, args, model_shapes(spec, args))
+    wider = dataclasses.replace(info, rank=8, targets=(*info.targets, "layers.0.attention.wv"))
+    with pytest.raises(ConfigError, match="has no base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"):
+        from_peft(tmp_path / "made", wider, spec.hf, args, model_shapes(spec, args))
+
+
+@pytest.mark.parametrize("mode", ["full", "op"])
+def test_dropout_draws_the_same_masks_when_a_block_is_recomputed(mode):
+    """LoRA's dropout under activation checkpointing: the recomputation draws the forward's masks,
+    so the gradients are those of the run without it."""
+    from titanlite.config.job import ActivationCheckpoint
+    from titanlite.parallel.apply import apply_ac
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(model_args(spec, "debugmodel", 0, 32), n_layers=1)
+    model = spec.build(args)
+    model.init_weights(0)
+    apply_lora(model, plan_lora(LoRA(rank=4, dropout=0.5, target_modules=["wq", "w2"]), spec, args))
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.normal_(0, 0.05)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad()
+        torch.manual_seed(5)
+        model(tokens).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    plain = grads()
+    apply_ac(list(model.layers.values()), ActivationCheckpoint(mode="selective" if mode == "op" else "full",
+                                                               selective_type=mode), random=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads()))
