@@ -16,7 +16,9 @@ import torch.nn as nn
 from titanlite.checkpoint.dcp import (check_saved_model, check_shapes, model_shapes, read_info, read_metadata,
                                      resume_step)
 from titanlite.config.job import Checkpoint, JobConfig, Training
+from titanlite.data import schedule as data_schedule
 from titanlite.data.loader import probe_data
+from titanlite.data.schedule import DataSchedule
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
@@ -44,6 +46,8 @@ class Plan:
     """Parameters of the whole model (counted on meta, before any sharding or pipeline cut)."""
     stages: StagePlan | None = None
     """The pipeline stages (None without pipelining)."""
+    schedule: DataSchedule | None = None
+    """What each step reads, in which shape (batch-size and sequence-length warm-up)."""
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -55,7 +59,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
                    t.local_batch_size, plan.dims.dp)
     if cfg.fault_tolerance.enable:
-        check_split(cfg.fault_tolerance, plan.global_batch_size, t.local_batch_size, plan.dims.dp)
+        check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
     return plan
 
 
@@ -100,7 +104,9 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     with torch.device("meta"):
         model = spec.build(args)
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
-    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages)
+    sp = dims.tp * dims.cp if cfg.parallelism.sequence_parallel else 1  # what sequence parallel splits
+    schedule = data_schedule.build(t, gbs, dims.dp, dims.cp, sp, dims.pp > 1, cfg.data.streaming)
+    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages, schedule)
 
 
 def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:

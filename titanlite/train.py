@@ -22,6 +22,7 @@ import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint.dcp import CheckpointManager
+from titanlite.checkpoint.merge import ModelMerge
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader, ignored_keys_note
@@ -29,7 +30,7 @@ from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import LossFn, build_loss_fn
+from titanlite.loss import LossFn, build_loss_fn, logged_terms
 from titanlite.loop import Referee, Update, Verdict, one_step
 from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
     reduce_losses
@@ -138,14 +139,13 @@ class GuardReferee(Referee):
         return Verdict(bad, self.guard.verdict.skip, bad if self.fused else None)
 
 
-def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
-              rank: int) -> int:
+def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, rank: int) -> int:
     """PaLM's recipe for a run of spikes: back to the newest checkpoint, the spiking steps' data
     skipped from then on (recorded in the checkpoint). Returns the step it resumes after."""
     streak = guard.verdict.streak
     first, last, n = streak[0], streak[-1], len(streak)
-    sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
-    start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
+    sampler = loader.batch_sampler  # the samples each step read, ranges skipped before counted
+    start, end = sampler.sample_range(first, last)
     guard.phase("checkpoint save")  # loading takes a save's time
     if not ckpt.candidates():
         raise RunError(f"step {last}: {n} spikes in a row and no checkpoint to go back to yet (training.on_spike = "
@@ -173,8 +173,9 @@ def start_process(cfg: JobConfig) -> torch.device:
 
 def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader, meshes: Meshes,
                        device: torch.device) -> tuple[CheckpointManager, SpikeWindow | None]:
-    """The checkpoint manager, and the spike window (training.on_spike) it saves and restores,
-    so that a resumed run judges its steps as an uninterrupted one would."""
+    """The checkpoint manager, and the spike window (training.on_spike) and the in-run merge
+    (checkpoint.merge_last) it saves and restores, so that a resumed run judges its steps and
+    merges its weights as an uninterrupted one would."""
     t = cfg.training
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
@@ -184,6 +185,8 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
     window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
     if window is not None:
         ckpt.optional["spike_window"] = window
+    if cfg.checkpoint.merge_last:  # the running sum of the weights it averages at each scheduled save
+        ckpt.optional["merge"] = ModelMerge(parts, cfg.checkpoint, t.steps)
     return ckpt, window
 
 
@@ -204,6 +207,8 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
+        for phase in plan.schedule.phases if plan.schedule.warms_up else ():
+            print(f"titanlite: warm-up {phase.describe()}", flush=True)
         if note := ignored_keys_note(cfg.data):
             print(note, file=sys.stderr, flush=True)
 
@@ -221,7 +226,7 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
         restart.record(cfg.job.dump_folder, start_step, metrics.writer, heals=heals)
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
-                            dist.get_world_size())
+                            dist.get_world_size(), lambda step: plan.schedule.samples_before(step + 1) * t.seq_len)
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
     return metrics, throughput, stragglers
@@ -249,11 +254,11 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     for part in parts:  # the same values on every layout: f(seed, name, full shape)
         init.materialize(part, device, t.seed)
         part.train()
-    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
+    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype, plan.schedule.lr_scale)
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
-                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
-    accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
+                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
+                              schedule=plan.schedule)
     ckpt, window = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
@@ -264,7 +269,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
-                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
+                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
@@ -287,7 +292,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         guard.start_step(step)
         profiler.step_begin(step)
         lr = optimizers.lr
-        batches = [next(data_iter) for _ in range(accum)] if ft is None else ft.batches(step)
+        batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)
         if result is None:  # replica groups: a group left or failed mid-step; the same batch again
             optimizers.zero_grad()
@@ -298,7 +303,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         gc_control.maybe_collect(step, t.gc_freq)
         profiler.step_end(step)
         if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
-            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank)
+            step = roll_back(ckpt, guard, loader, rank)
             data_iter = iter(loader)
             throughput.last, throughput.last_step = time.perf_counter(), step
             continue
@@ -308,11 +313,12 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             guard.phase("logging")
             losses = reduce_losses(result.out.loss_sum, result.out.extra_losses, result.out.n_targets,
-                                   plan.spec.extra_losses, plan.spec.tp_replicated_losses, once)
+                                   *logged_terms(plan.spec.extra_losses, plan.spec.tp_replicated_losses, t.z_loss),
+                                   once)
             speed, eta = throughput(step)
             metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
-                               "epoch": epoch_of((step - 1) * plan.global_batch_size) if epoch_of else None,
+                               "epoch": epoch_of(plan.schedule.samples_before(step)) if epoch_of else None,
                                **losses, **{k: float(v) for k, v in result.scalars.items()},
                                **({} if window is None else {"spike_steps": verdict.spikes}),
                                **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)

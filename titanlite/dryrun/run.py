@@ -134,7 +134,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"),
-                          build_loss_fn(cfg.compile, opts.loss_parallel))
+                          build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]

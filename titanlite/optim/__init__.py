@@ -9,6 +9,7 @@ another pipeline layout. They step together; to the loop they are one optimizer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -74,8 +75,10 @@ def _muon(params: list[nn.Parameter], cfg: Optimizer, ns_dtype: torch.dtype) -> 
 
 
 def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int,
-                     ns_dtype: torch.dtype = torch.float32) -> Optimizers:
-    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU)."""
+                     ns_dtype: torch.dtype = torch.float32,
+                     lr_scale: Callable[[int], float] | None = None) -> Optimizers:
+    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU);
+    `lr_scale`: a factor on the schedule's learning rate by (0-based) step (a batch-size warm-up's)."""
     owners, opts = [], []
     for part in parts:
         muon, adamw = split_params(part, cfg.muon_groups) if cfg.name == "Muon" else ([], list(part.parameters()))
@@ -85,7 +88,7 @@ def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRSchedul
         if adamw:  # a pipeline stage may hold only Muon's kind
             owners.append(part)
             opts.append(_adamw(adamw, cfg))
-    return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
+    return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps, lr_scale) for opt in opts])
 
 
 def warmup_steps(cfg: LRScheduler, total_steps: int) -> int:
@@ -119,5 +122,8 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
-    return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int,
+                       scale: Callable[[int], float] | None = None) -> LambdaLR:
+    if scale is None:
+        return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+    return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps) * scale(step))
