@@ -172,25 +172,28 @@ class GlobalBatchSampler:
     boundary (micro_batch == 0) the state means the same for any dp layout.
 
     `skip` holds sample ranges [start, end) never read (data.skip_samples, a spike rollback):
-    every batch of the final size that overlaps one is passed over, the trained order going on
-    after it. The cursor counts what was read, so a checkpoint's position means the same with
-    the same ranges.
+    every global batch that overlaps one is passed over, the trained order going on after it. The
+    cursor counts what was read, so a checkpoint's position means the same with the same ranges.
+    In a warm-up, whose steps need not start on a multiple of the global batch, the configured
+    ranges are widened to whole global batches at the start and a rollback's (its steps' samples)
+    is skipped as it is: a range widened below a step already read would move what that step read.
     """
 
     def __init__(self, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                  skip: tuple[tuple[int, int], ...] = (), schedule: DataSchedule | None = None) -> None:
         self.schedule = schedule or DataSchedule.constant(global_batch_size, local_batch_size, dp_degree, 0)
-        self.global_batch_size = self.schedule.final.samples
+        G = self.global_batch_size = self.schedule.final.samples
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.global_batch, self.micro_batch = 0, 0
         self.skip: tuple[tuple[int, int], ...] = ()
-        self.set_skip(skip)
+        self.grid = 1 if self.schedule.warms_up else G  # what a range is widened to, when it is set
+        self.set_skip(tuple((a // G * G, -(-b // G) * G) for a, b in skip) if self.schedule.warms_up else skip)
 
     def set_skip(self, ranges: tuple[tuple[int, int], ...]) -> None:
-        """The sample ranges to pass over, as merged, sorted intervals [a, b) of whole final batches."""
+        """The sample ranges to pass over, as merged, sorted intervals [a, b)."""
         self.skip = tuple(sorted(set(ranges)))
-        G, merged = self.global_batch_size, []
-        for a, b in sorted((start // G * G, -(-end // G) * G) for start, end in self.skip):
+        grid, merged = self.grid, []
+        for a, b in sorted((start // grid * grid, -(-end // grid) * grid) for start, end in self.skip):
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
