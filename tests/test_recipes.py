@@ -267,6 +267,22 @@ def test_warmup_with_replica_groups_is_exact_or_refused():
         check_split(f, _schedule(1, batch_warmup=["2:3"]), 1)
 
 
+def test_the_dry_run_plans_a_warmup_at_its_largest_batch_and_times_each_phase(tmp_path, capsys):
+    """Batch 4 -> 16 and sequence 32 -> 64 on 2 ranks: the report's memory is the last phase's, the
+    largest; each earlier phase is traced for its step time."""
+    from titanlite.dryrun.run import main
+
+    main(["--config", "debug_model.toml", "--ngpu", "2", "--training.seq_len", "64", "--training.local_batch_size",
+          "4", "--training.global_batch_size", "16", "--training.steps", "100", "--training.batch_warmup", "4:10",
+          "--training.seq_warmup", "32:5", "--out", str(tmp_path / "r.json")])
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert [p["steps"] for p in rep["phases"]] == [[1, 5], [6, 10]]
+    assert "warm-up steps 1-5: 8 x 32 tokens, 1 micro-batch(es) of 4 per rank: step" in capsys.readouterr().out
+    times = [p["step_s"] for p in rep["phases"]] + [rep["predicted"]["step_s"]]
+    assert times == sorted(times) and times[0] < times[-1], times  # 1 micro-batch of 4 x 32, of 2 x 64, 2 of 4 x 64
+    assert all(p["peak_gib"] < rep["roles"][0]["memory_gib"]["peak"] for p in rep["phases"])
+
+
 # -- checkpoint merging ---------------------------------------------------------------------------
 
 def _checkpoint(path: Path, seed: int) -> dict:
