@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
-from titanlite.loss import ExtraLosses, LossFn
 from titanlite.runtime.launch import last_word
 from titanlite.runtime.restart import fired_faults, note_fired
 from titanlite.runtime.spikes import SpikeWindow
@@ -370,10 +369,10 @@ class Guard:
             note_fired(_spec(fault))
         return fault is not None
 
-    def faulty_loss(self, loss_fn: LossFn) -> LossFn:
-        """`loss_fn`, non-finite in the training step that a `nan` fault names, SPIKE_FACTOR times
-        larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
-        def loss(logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
+    def faulty_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn` (titanlite.loss.LossFn), non-finite in the training step that a `nan` fault names,
+        SPIKE_FACTOR times larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
+        def loss(logits: torch.Tensor, labels: torch.Tensor, extra=None) -> torch.Tensor:
             out = loss_fn(logits, labels, extra)
             if not torch.is_grad_enabled():
                 return out
