@@ -113,9 +113,12 @@ def test_warmup_reads_in_order_what_the_final_batch_size_reads(tmp_path, constan
                      seq_warmup_constant_tokens=constant_tokens)
     rows, shapes, _ = _read(path, warm, 2, range(1, 13))
     n = warm.samples_before(13)
-    ref, _, _ = _read(path, _schedule(1), 1, range(1, n // 8 + 2))
+    ref, _, _ = _read(path, _schedule(1), 1, range(1, n // 8 + 2))  # batch 8 x 64 from the first sample
     got, want = torch.cat([y for _, y in rows]), torch.cat([y for _, y in ref])
     assert len(got) == n * 64 and torch.equal(got, want[:n * 64])
+    samples = build_dataloader(Data(path=str(path)), BYTE, seq_len=64, global_batch_size=8, local_batch_size=2,
+                               dp_rank=0, dp_degree=1).dataset
+    assert torch.equal(got, torch.cat([samples[g]["labels"] for g in range(n)]))  # samples 0 .. n - 1, in order
     # (rows, length) of each micro-batch of rank 0, then of rank 1
     per_step = {s: [(r, l) for t, r, l in shapes if t == s] for s in (1, 3, 4, 6, 7)}
     if constant_tokens:  # batch 2 (one micro-batch of 1 sample per rank), 4, then 8 (two)
