@@ -31,6 +31,7 @@ def _run(dump: Path, args: list[str], device: str) -> list[dict]:
     cmd = [sys.executable, "-m", "titanlite.train", "--config", "debug_model.toml", "--job.dump_folder", str(dump),
            "--training.device", device, "--training.seq_len", "128", "--training.local_batch_size", "8",
            "--training.global_batch_size", "8", "--metrics.log_freq", "10",
+           "--comm.init_timeout_s", "3600", "--comm.train_timeout_s", "3600",  # a busy machine's steps
            "--metrics.enable_tensorboard", "false", "--validation.steps", str(VAL_STEPS), *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]

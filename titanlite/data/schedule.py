@@ -140,9 +140,9 @@ def build(t: Training, global_batch_size: int, dp: int, cp: int = 1, tp_split: i
     if pp and seq:
         raise ConfigError("training.seq_warmup with parallelism.pipeline_parallel_degree > 1: pipeline stages are "
                           "built for one sequence length; leave seq_warmup out or pipelining off")
+    need = math.lcm(2 * cp if cp > 1 else 1, tp_split)
     for length, _ in seq:
-        if length % (2 * cp if cp > 1 else 1) or length % tp_split:
-            need = max(2 * cp if cp > 1 else 1, tp_split)
+        if length % need:
             raise ConfigError(f"training.seq_warmup: length {length} does not split over context and sequence "
                               f"parallelism (a multiple of {need}: 2 x context_parallel_degree chunks, tensor x "
                               "context parallel degree shards); use multiples of it")
