@@ -117,7 +117,7 @@ class DataState:
 
     def samples_read(self, after: int, step: int) -> int:
         """The samples steps after + 1 .. step read."""
-        if self.schedule is None:
+        if self.schedule is None or not self.schedule.warms_up:
             return (step - after) * self.global_batch_size
         return self.schedule.samples_before(step + 1) - self.schedule.samples_before(after + 1)
 
@@ -148,8 +148,9 @@ class DataState:
                               f"{', '.join(f'{k}={saved.get(k)!r}' for k in keys)}); resuming would "
                               "repeat or skip samples. Restore those settings or start a new dump_folder")
         n, G = sd["samples_seen"], self.global_batch_size
-        steps = self.schedule.steps_for(n) if self.schedule else None if n % G else n // G
-        if steps is None:  # (a warm-up's schedule is a part of the order, checked above)
+        warm = self.schedule is not None and self.schedule.warms_up  # its schedule is a part of the order
+        steps = self.schedule.steps_for(n) if warm else None if n % G else n // G
+        if steps is None:
             raise ConfigError(f"the checkpoint consumed {n} samples, not a multiple of training.global_batch_size "
                               f"{G}; resuming would repeat or skip samples. Use a global batch size that divides it")
         self.samples_seen = sd["samples_seen"]
