@@ -129,6 +129,24 @@ def test_warmup_reads_in_order_what_the_final_batch_size_reads(tmp_path, constan
                             7: [(2, 64)] * 4}
 
 
+def test_sqrt_lr_rescale_follows_the_batch():
+    """With batch_warmup_sqrt_lr the learning rate is optimizer.lr x sqrt(batch / final batch): x2
+    the batch, x sqrt(2) the rate (here on a constant schedule, no warm-up, no decay)."""
+    from titanlite.config.job import LRScheduler, Optimizer
+    from titanlite.optim import build_optimizers
+
+    schedule = _schedule(1, batch_warmup=["2:3", "4:6"], batch_warmup_sqrt_lr=True)
+    opt = build_optimizers([torch.nn.Linear(2, 2)], Optimizer(lr=1e-3), LRScheduler(warmup_steps=0, decay_ratio=0),
+                           12, lr_scale=schedule.lr_scale)
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.lr)
+        opt.step()
+        opt.step_schedule()
+    assert lrs == pytest.approx([1e-3 * 0.5] * 3 + [1e-3 * 0.5 ** 0.5] * 3 + [1e-3] * 2, rel=1e-12)
+    assert _schedule(1, batch_warmup=["2:3"]).lr_scale is None  # off unless asked
+
+
 def test_rollback_across_a_batch_size_change_skips_exactly_the_spiking_steps(tmp_path):
     """Steps 5-7 spike (batch 4, then 8 from step 7): the run goes back to its step-4 checkpoint with
     those steps' samples skipped (train.roll_back's arithmetic), restored as a checkpoint restores
