@@ -8,8 +8,8 @@ update compared; cp=N: N context-parallel ranks, on a batch of packed documents 
 chunks, the reference masked the same) or `pp PP DP_SHARD TP SCHEDULE [ep=N] [muon]` for pipeline stages, either with
 `layers=N` to build the flavor with N blocks (two stages per rank need more blocks than a debug
 flavor may have) and `model=NAME` to check another model than MODEL; several layouts share one launch. Every rank builds the single-device model too
-and compares each full gradient; loss-curve parity alone can miss a small parameter whose gradient
-is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
+and compares the loss (to 1e-6) and each full gradient; loss-curve parity alone can miss a small
+parameter whose gradient is never reduced across ranks (e.g. a replicated norm weight under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 
 import torch
@@ -60,10 +61,16 @@ count_orthogonalised.n = 0
 muon_impl.newton_schulz = count_orthogonalised(muon_impl.newton_schulz)
 
 
+@functools.cache
+def meshes_of(dims: ParallelDims):
+    """One set of process groups per layout, shared by the launch's models."""
+    return dims.build_meshes("cpu")
+
+
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
          ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0, cp: int = 1) -> bool:
     dims = ParallelDims(rep, dp_shard, cp, tp, pp=pp, ep=ep)
-    meshes = dims.build_meshes("cpu")
+    meshes = meshes_of(dims)
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
     spec = get_model_spec(name)
     args = model_args(spec, flavor or "debugmodel", 0, 32)
@@ -83,7 +90,8 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
     extra = ExtraLosses()
     extra.bind([ref])
     with extra.collect(n_targets):
-        cross_entropy_sum(ref(inputs, AttnContext(None, docs)), labels).div(n_targets).backward()
+        want_loss = cross_entropy_sum(ref(inputs, AttnContext(None, docs)), labels).div(n_targets)
+        want_loss.backward()
 
     opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
@@ -101,7 +109,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         shapes = pipeline.stage_shapes(spec, args, 1, 32, dims, opts)
         step = pipeline.PipelineStep(parts, plan, schedule, meshes, cross_entropy_sum, opts, AttnSetup(),
                                      contextlib.nullcontext(), torch.device("cpu"), shapes)
-        step([{"input_ids": inputs[mine], "labels": labels[mine]}])
+        loss = step([{"input_ids": inputs[mine], "labels": labels[mine]}]).loss_sum / n_targets
         mirrors = step.mirrors
     else:
         with torch.device("meta"):
@@ -116,9 +124,13 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         ctx = setup.context(batch.get("positions"), None if docs is None else docs[mine])
         extra.bind(parts)
         with loss_context(opts.loss_parallel), extra.collect(n_targets):
-            cross_entropy_sum(parts[0](batch["input_ids"], ctx), batch["labels"]).div(n_targets).backward()
+            loss = cross_entropy_sum(parts[0](batch["input_ids"], ctx), batch["labels"]).div(n_targets)
+            loss.backward()
         mirrors = ()
     reduce_partial_grads([p for part in parts for p in part.parameters()])
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)  # each row's loss once per tensor-parallel rank
+    loss_diff = (abs(loss / tp - want_loss.detach()) / want_loss.detach()).item()
 
     worst, gathered = {}, {}
     expected = dict(ref.named_parameters(remove_duplicate=False))
@@ -152,7 +164,10 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
             want = want_step[pname]
             worst[f"update {pname}"] = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
     bad = {k: v for k, v in worst.items() if v > 1e-5}
-    print(f"rank {dist.get_rank()}: {len(worst)} gradients, worst relative diff {max(worst.values()):.2e}"
+    if loss_diff > 1e-6:  # the first step's loss, to 1e-6 as every parity test
+        bad["loss"] = loss_diff
+    print(f"rank {dist.get_rank()}: {len(worst)} gradients, worst relative diff {max(worst.values()):.2e}, loss "
+          f"{loss_diff:.1e}"
           + (f"; MISMATCH {bad}" if bad else ""), flush=True)
     ok = torch.tensor([0 if bad else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)

@@ -99,7 +99,7 @@ def _finished(run: Run, nproc: int) -> bool:
 
 # What a rank would import anyway; the fork server imports it once.
 _PRELOAD = ["titanlite.train", "titanlite.dryrun.run", "torch.distributed.pipelining", "torch.distributed.checkpoint",
-            "torch._inductor.compile_fx"]
+            "torch._inductor.compile_fx", "titanlite.models.transformers"]
 _FORKS = multiprocessing.get_context("forkserver")
 _started = False
 

@@ -46,6 +46,10 @@ def _files(tmp) -> dict[str, str]:
         "empty.txt": "",
         "blank.jsonl": '{"text": ""}\n{"text": ""}\n',
         "eps_inf.toml": "[optimizer]\neps = inf\n",
+        "chat_no_messages.jsonl": '{"text": "hi"}\n',
+        "chat_unknown_role.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"}]}\n',
+        "chat_empty_assistant.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}\n',
+        "chat_no_target.jsonl": '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}\n',
     }
     paths = {}
     for name, text in texts.items():
@@ -54,9 +58,21 @@ def _files(tmp) -> dict[str, str]:
     (tmp / "bad_tok").mkdir()
     (tmp / "bad_tok" / "tokenizer.json").write_text("{not json")
     paths["bad_tok"] = str(tmp / "bad_tok")
+    (tmp / "tok_no_template").mkdir()  # a fast tokenizer folder whose config has no chat_template
+    (tmp / "tok_no_template" / "tokenizer.json").write_text(
+        '{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{"id": 0, "content": "</s>", '
+        '"single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}], '
+        '"normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null, '
+        '"model": {"type": "WordLevel", "vocab": {"</s>": 0, "hi": 1}, "unk_token": "</s>"}}')
+    (tmp / "tok_no_template" / "tokenizer_config.json").write_text(
+        '{"eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}')
+    paths["tok_no_template"] = str(tmp / "tok_no_template")
     (tmp / "empty_dir").mkdir()
     paths["empty_dir"] = str(tmp / "empty_dir")
     return paths
+
+
+CHAT = ["--data.format", "chat", "--data.document_mask", "true", "--data.tokenizer", "byte_chat"]
 
 
 def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]]:
@@ -143,7 +159,7 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
         "ngpu_text": ([], {"NGPU": "two"}, "NGPU must be a positive integer, got 'two'"),
         # missing or broken files and folders
         "config_is_folder": (["--config", str(REPO)], {}, f"config file '{REPO}' not found"),
-        "tokenizer_is_file": (["--data.tokenizer", f["a_file.txt"]], {}, "is neither 'byte' nor a folder"),
+        "tokenizer_is_file": (["--data.tokenizer", f["a_file.txt"]], {}, "is not 'byte', 'byte_chat' or a folder"),
         "tokenizer_corrupt": (["--data.tokenizer", f["bad_tok"]], {}, f"data.tokenizer: cannot load '{f['bad_tok']}'"),
         "dump_folder_is_file": (["--job.dump_folder", f["a_file.txt"]], {}, "job.dump_folder: cannot write to"),
         "checkpoint_initial_missing": (["--checkpoint.initial_load_path", f["a_file.txt"] + ".gone"], {},
@@ -180,6 +196,21 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                                   "in the val split"),
         "val_steps_above_split": (["--validation.freq", "5", "--validation.steps", "1000"], {},
                                   "validation.steps 1000 x global batch 8 is more than"),
+        # chats (data.format chat): the config, then each bad row found before launch
+        "chat_train_on": ([*CHAT, "--data.train_on", "everything"], {}, "data.train_on: 'everything' is not one of"),
+        "chat_without_document_mask": ([*CHAT, "--data.document_mask", "false"], {},
+                                       "data.format chat packs several chats per sample; set data.document_mask = true"),
+        "chat_byte_tokenizer": ([*CHAT, "--data.tokenizer", "byte"], {}, "and data.tokenizer 'byte' has none"),
+        "chat_no_template": ([*CHAT, "--data.tokenizer", f["tok_no_template"]], {},
+                             f"data.tokenizer '{f['tok_no_template']}' has no chat template"),
+        "chat_no_messages": ([*CHAT, "--data.path", f["chat_no_messages.jsonl"]], {},
+                             f"data.path: {f['chat_no_messages.jsonl']} line 1: no 'messages', not a list of messages"),
+        "chat_unknown_role": ([*CHAT, "--data.path", f["chat_unknown_role.jsonl"]], {},
+                              "line 1: message 2 has role 'narrator'; each message needs a role among"),
+        "chat_empty_assistant": ([*CHAT, "--data.path", f["chat_empty_assistant.jsonl"]], {},
+                                 "line 1: message 2 is an empty assistant turn"),
+        "chat_no_target": ([*CHAT, "--data.path", f["chat_no_target.jsonl"]], {},
+                           "line 1: no token to train on with data.train_on = assistant"),
     }
 
 
@@ -217,7 +248,8 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "muon_momentum", "muon_ns_steps", "on_nonfinite", "on_spike", "rollback_no_checkpoint",
               "skip_samples_bad", "straggler_ratio_one", "tp_zero", "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
-              "checkpoint_folder_escapes", "pp_schedule_unknown")
+              "checkpoint_folder_escapes", "pp_schedule_unknown", "chat_train_on", "chat_without_document_mask",
+              "chat_byte_tokenizer")
 
 # Refused by the trainer's preflight, the launcher's second process (each a torch import,
 # about 6 CPU seconds): run through that process's main in this one.
@@ -226,7 +258,8 @@ PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_w
              "dump_folder_is_file", "dump_folder_under_file", "pp_above_blocks", "pp_microbatch_indivisible",
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
-             "val_steps_above_split")
+             "val_steps_above_split", "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
+             "chat_no_target")
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +275,9 @@ def outcomes(tmp_path_factory):
 # the cases with each file's name standing in for its path
 NAMED = _cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type.toml", "syntax.toml",
                                "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok", "empty.txt",
-                               "blank.jsonl", "eps_inf.toml", "empty_dir"]})
+                               "blank.jsonl", "eps_inf.toml", "empty_dir", "chat_no_messages.jsonl",
+                               "chat_unknown_role.jsonl", "chat_empty_assistant.jsonl", "chat_no_target.jsonl",
+                               "tok_no_template"]})
 ALL_IDS = list(NAMED)
 CASE_IDS = [k for k in ALL_IDS if k not in IN_PROCESS + PREFLIGHT]
 

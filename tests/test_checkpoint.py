@@ -211,6 +211,32 @@ def test_another_models_checkpoint_is_refused_before_launch(straight1, tmp_path,
         get_model_spec("my_llama_misnamed")
 
 
+def test_fine_tuning_starts_from_a_full_runs_weights_only(straight1, tmp_path):
+    """Supervised fine-tuning (chats, their own tokenizer) from a pre-training run's step-20, a full
+    checkpoint: its weights load exactly, and nothing else does (the optimizer's moments start at
+    zero, the schedule at its first warm-up step, the data at its first sample). The run's folder
+    of checkpoints is refused, naming them, rather than one picked."""
+    step20 = straight1 / "checkpoint" / "step-20"
+    chat = ["--data.format", "chat", "--data.tokenizer", "byte_chat", "--data.document_mask", "true",
+            "--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "2"]
+    cfg, _ = config_load.load([*job(1, 3, *chat), "--job.dump_folder", str(tmp_path),
+                               "--checkpoint.initial_load_path", str(step20.parent)])
+    with pytest.raises(ConfigError, match=r"holds the checkpoints step-10, step-20, not one checkpoint; name the "
+                                          r"one to start from, e\.g\. .*/checkpoint/step-20$"):
+        preflight(cfg, 1)
+    run = hooked(1, [*job(1, 3, *chat), "--checkpoint.initial_load_path", str(step20)], tmp_path, "resave")
+    assert f"initial weights from {step20} (dcp)" in run.output and "chat data:" in run.output
+    resaved = tmp_path / "checkpoint-resaved" / "step-0"
+    assert_same_tensors(step20, resaved, "model.")
+    moments = {k: v for k, v in load_tensors(resaved, "optimizer.state.").items() if "exp_avg" in k}
+    assert moments and all(not v.any() for v in moments.values())
+    assert run.metrics[0]["lr"] == losses_rows(straight1)[0]["lr"]  # warm-up step 1, not step 21
+
+
+def losses_rows(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
 def test_seed_checkpoint_needs_one_process():
     cfg, _ = config_load.load([*job(2, 10), "--checkpoint.create_seed_checkpoint"])
     with pytest.raises(ConfigError, match="create_seed_checkpoint runs on one process"):
@@ -227,6 +253,11 @@ def test_data_cursor_refuses_what_cannot_be_remapped():
         DataState(loader, Data(), 32, 8).load_state_dict(saved)
     with pytest.raises(ConfigError, match="consumed 24 samples, not a multiple of training.global_batch_size 16"):
         DataState(loader, Data(), 64, 16).load_state_dict({**saved, "samples_seen": 24})
+    # a data key added since a checkpoint was saved reads as its default there; another value refuses
+    older = json.dumps({k: v for k, v in json.loads(saved["order"]).items() if k not in ("format", "train_on")})
+    DataState(loader, Data(), 64, 8).load_state_dict({**saved, "order": older})
+    with pytest.raises(ConfigError, match="data order differs in format"):
+        DataState(loader, Data(format="chat"), 64, 8).load_state_dict({**saved, "order": older})
     # a different global batch that divides the samples seen maps exactly
     cursor = DataState(loader, Data(), 64, 16)
     cursor.load_state_dict({**saved, "samples_seen": 32})

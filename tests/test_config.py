@@ -68,7 +68,7 @@ def test_bool_flag_without_value():
     (["--fault_tolerance.max_restarts", "2", "--checkpoint.enable", "--checkpoint.load_step", "6"],
      "fault_tolerance.max_restarts 2 with checkpoint.load_step 6: a restart resumes from the newest checkpoint"),
     (["--data.path", "/no/such/corpus"], "data.path: '/no/such/corpus' does not exist"),
-    (["--data.tokenizer", "/no/such/tok"], "data.tokenizer: '/no/such/tok' is neither 'byte' nor a folder"),
+    (["--data.tokenizer", "/no/such/tok"], "data.tokenizer: '/no/such/tok' is not 'byte', 'byte_chat' or a folder"),
     (["--config", "nope.toml"], "config file 'nope.toml' not found"),
     (["steps"], "unexpected argument 'steps'"),
     (["--steps", "3"], "option '--steps' must look like --section.key"),

@@ -107,6 +107,20 @@ def test_a_key_the_source_ignores_gets_a_warning(tmp_path):
     assert ignored_keys_note(Data(path=str(tmp_path / "tk"))) is None
     assert ignored_keys_note(Data(path=str(corpus), text_field="body")) is None  # a .jsonl reads its field
     assert ignored_keys_note(Data(path=str(corpus), split="x")).startswith("titanlite: warning: data.split = 'x': ")
+    # text reads no messages; chats read no text field, the built-in chat set no field at all
+    assert ignored_keys_note(Data(path=str(corpus), train_on="last")).startswith(
+        "titanlite: warning: data.train_on = 'last': ignored by")
+    assert ignored_keys_note(Data(format="chat", text_field="body", messages_field="m")).startswith(
+        "titanlite: warning: data.text_field = 'body', data.messages_field = 'm': ignored by")
+    assert ignored_keys_note(Data(path=str(corpus), format="chat", messages_field="m")) is None
+    # chats are rendered from their rows at start-up, never from a token folder
+    with pytest.raises(ConfigError, match="data.format chat: chats are rendered and packed whole at start-up"):
+        tool.tokenize(["--data.path", str(corpus), "--data.format", "chat", "--data.document_mask", "true",
+                       "--data.tokenizer", "byte_chat"], str(tmp_path / "tk2"), workers=1, shard_tokens=1000)
+    with pytest.raises(ConfigError, match="is a token folder, which holds tokens, not messages rows"):
+        build_dataloader(Data(path=str(tmp_path / "tk"), format="chat", document_mask=True, tokenizer="byte_chat"),
+                         build_tokenizer("byte_chat"), seq_len=64, global_batch_size=1, local_batch_size=1,
+                         dp_rank=0, dp_degree=1)
 
 
 def test_token_folder_refusals(tmp_path, hf_folder):  # noqa: F811

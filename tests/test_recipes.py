@@ -172,7 +172,9 @@ def test_rollback_across_a_batch_size_change_skips_exactly_the_spiking_steps(tmp
 def test_a_shorter_sequence_of_packed_documents_equals_its_documents_unpacked(tmp_path):
     """A warm-up's row (a piece of 32 tokens of a sample of 128) with document masking: its tokens
     are the sample's, its documents numbered from 0 and its positions from 0 at each document (and
-    at the row's start), so the model's logits equal those of each document run alone."""
+    at the row's start), so the model's logits equal those of each document run alone. A packed
+    chat sample cuts its rows with row_of, which gives the same rows."""
+    from titanlite.data.order import row_of
     from titanlite.layers.attention import AttnContext
     from titanlite.models.llama3 import Transformer, flavors
 
@@ -185,6 +187,8 @@ def test_a_shorter_sequence_of_packed_documents_equals_its_documents_unpacked(tm
     whole, docs = data[5], 0
     for k in range(4):
         row = data[(5, 32, k)]
+        cut = row_of(whole, 32, k)  # how a packed chat sample cuts its rows: the same
+        assert row.keys() == cut.keys() and all(torch.equal(row[key], cut[key]) for key in row)
         assert torch.equal(row["input_ids"], whole["input_ids"][32 * k:32 * (k + 1)])
         assert torch.equal(row["labels"], whole["labels"][32 * k:32 * (k + 1)])
         ids, pos = row["document_ids"], row["positions"]

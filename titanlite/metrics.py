@@ -21,7 +21,8 @@ TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr
            "tokens_per_sec": "perf/tokens_per_sec", "mfu_pct": "perf/mfu_pct", "peak_gib": "memory/peak_gib",
            "skipped_steps": "train/skipped_steps", "spike_steps": "train/spike_steps",
            "straggler_ratio": "perf/straggler_ratio", "straggler_rank": "perf/straggler_rank",
-           "epoch": "data/epoch", "z_loss": "loss/z", "moe_aux_loss": "moe/aux_loss",
+           "epoch": "data/epoch", "chats_truncated": "data/chats_truncated", "chats_dropped": "data/chats_dropped",
+           "z_loss": "loss/z", "moe_aux_loss": "moe/aux_loss",
            "moe_load_max_over_mean_worst": "moe/tokens_per_expert_max_over_mean_worst_layer",
            "moe_load_max_over_mean_avg": "moe/tokens_per_expert_max_over_mean_avg_layers",
            "moe_router_bias_norm": "moe/router_bias_norm"}

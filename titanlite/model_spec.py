@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -42,8 +43,11 @@ class ModelSpec:
     forward(tokens, ctx) returns logits; it must also run when the `pre` modules are
     nn.Identity (it then receives hidden states) and when the `post` ones are (it then
     returns hidden states): that is how pipeline stages are cut."""
-    tp_plan: Callable[[bool], Any]
-    """loss_parallel -> titanlite.parallel.tensor.TPPlan: the family's tensor-parallel plan."""
+    tp_plan: Callable[[Any, bool, nn.Module], Any]
+    """(between, loss_parallel, model) -> titanlite.parallel.tensor.TPPlan: the family's
+    tensor-parallel plan, `between` the residual stream's layout between blocks; `model` is
+    the model (or pipeline stage) it is applied to, for a family whose plan its architecture
+    declares (transformers' base_model_tp_plan)."""
     flops_per_token: Callable[[Any, int], float]
     """(ModelArgs, seq_len) -> training FLOPs per token (forward + backward), activated
     parameters only."""
@@ -53,12 +57,17 @@ class ModelSpec:
     covered by the plans: titanlite.parallel.tensor)."""
     hf: Any = None
     """titanlite.checkpoint.hf.HFAdapter mapping weights and config to transformers, if the family has one."""
+    from_hf_config: Callable[[str, tuple[str, ...]], Any] | None = None
+    """(model.hf_config, model.hf_overrides) -> ModelArgs, for a family whose architecture the
+    config names rather than a flavor (models/transformers); None: flavors only."""
     blocks: str = "layers"
-    """Attribute holding the transformer blocks: an nn.ModuleDict keyed "0".."n-1"."""
+    """Path (dotted) of the module holding the transformer blocks, whose children are the
+    blocks "0".."n-1" in the order they run: an nn.ModuleDict (a pipeline stage deletes the
+    blocks it does not hold), or an nn.ModuleList (a stage puts `Elsewhere` in their place)."""
     pre: tuple[str, ...] = ("tok_embeddings",)
-    """Top-level modules that run before the blocks (kept by the first pipeline stage only)."""
+    """Modules (dotted paths) that run before the blocks (kept by the first pipeline stage only)."""
     post: tuple[str, ...] = ("norm", "output")
-    """Top-level modules that run after the blocks (kept by the last pipeline stage only)."""
+    """Modules (dotted paths) that run after the blocks (kept by the last pipeline stage only)."""
     post_step_hooks: Callable[[list[nn.Module], Any], list[Callable[[Any], Any]]] = _no_hooks
     """(model parts, titanlite.parallel.mesh.Meshes) -> callables run after every optimizer step
     (e.g. a router-bias update) with the step's device flag `skipped` (1.0 when its update was
@@ -71,6 +80,19 @@ class ModelSpec:
     """Those extra losses each tensor-parallel rank computes whole, as the token loss (multi-token
     prediction on loss-parallel logits): logged once, like it; the others are sums over the
     tokens each rank routed."""
+
+    def blocks_of(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The model's (or stage's) blocks by name ("0".."n-1", a stage's own range), in order."""
+        return {k: b for k, b in model.get_submodule(self.blocks).named_children() if not isinstance(b, Elsewhere)}
+
+
+class Elsewhere(nn.Module):
+    """In a pipeline stage's nn.ModuleList of blocks, a block another stage holds: it passes its
+    input on, so the list keeps its length and the model's forward its indices (transformers
+    picks each layer's RoPE and mask by its position in the list)."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
 
 
 def available() -> list[str]:
@@ -110,13 +132,23 @@ def in_model_code(exc: BaseException) -> str | None:
     return None
 
 
-def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None) -> Any:
-    """The flavor's args with config overrides applied and checked (`moe`: the [moe] section,
-    for families whose args carry titanlite.layers.moe.MoEArgs as `moe`)."""
-    if flavor not in spec.flavors:
+def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe: Any = None, hf_config: str = "",
+               hf_overrides: Sequence[str] = ()) -> Any:
+    """The flavor's args (or, with `hf_config`, those the family reads from it:
+    ModelSpec.from_hf_config) with config overrides applied and checked (`moe`: the [moe]
+    section, for families whose args carry titanlite.layers.moe.MoEArgs as `moe`)."""
+    if hf_config or hf_overrides:
+        if spec.from_hf_config is None:
+            raise ConfigError(f"model.hf_config: {spec.name} takes its architecture from model.flavor; a transformers "
+                              "config trains with model.name = transformers")
+        if not hf_config:
+            raise ConfigError("model.hf_overrides change model.hf_config's config; set model.hf_config too")
+        args, flavor = spec.from_hf_config(hf_config, tuple(hf_overrides)), hf_config
+    elif flavor not in spec.flavors:
         raise ConfigError(f"model.flavor: unknown flavor '{flavor}' for '{spec.name}'; "
                           f"available: {', '.join(spec.flavors)}")
-    args = spec.flavors[flavor]
+    else:
+        args = spec.flavors[flavor]
     if seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len {seq_len} exceeds {spec.name} {flavor}'s "
                           f"max_seq_len {args.max_seq_len}")

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (check_saved_model, check_shapes, model_shapes, read_info, read_metadata,
-                                     resume_step)
+from titanlite.checkpoint.dcp import (INFO, check_saved_model, check_shapes, complete_steps, model_shapes, read_info,
+                                     read_metadata, resume_step)
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data import schedule as data_schedule
 from titanlite.data.loader import probe_data
@@ -22,6 +22,7 @@ from titanlite.data.schedule import DataSchedule
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
+from titanlite.optim.muon import split_params
 from titanlite.layers.moe import grouped_mm_supported
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import ParallelDims, pick_device
@@ -68,12 +69,13 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     size of job without it)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
-    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe)
-    if dims.ep > 1 and getattr(args, "moe", None) is None:
-        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.flavor} "
-                          "has no experts; set it to 1")
+    args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe,
+                      cfg.model.hf_config, cfg.model.hf_overrides)
     check_decoder_tp(args, dims.tp)  # every family, before its own checks
     spec.check_layout(args, dims)
+    if dims.ep > 1 and getattr(args, "moe", None) is None:
+        raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: {cfg.model.name} {cfg.model.variant} "
+                          "has no experts; set it to 1")
     check_attention(cfg.model.attn_backend, args, dims.cp, _on_cuda(cfg.training.device))
     if getattr(args, "moe", None) is not None and cfg.moe.grouped_mm == "on":
         check_grouped_mm((args.moe.hidden, args.dim), cfg.training)
@@ -103,6 +105,10 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args)
     with torch.device("meta"):
         model = spec.build(args)
+    if cfg.optimizer.name == "Muon" and not split_params(model, cfg.optimizer.muon_groups)[0]:
+        raise ConfigError(f"optimizer.name Muon: no matrix of {cfg.model.name}'s blocks is in optimizer.muon_groups "
+                          f"{cfg.optimizer.muon_groups} (Muon reads titanlite's block layouts: layers.<i>.attention, "
+                          "feed_forward, experts); use AdamW")
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
     sp = dims.tp * dims.cp if cfg.parallelism.sequence_parallel else 1  # what sequence parallel splits
     schedule = data_schedule.build(t, gbs, dims.dp, dims.cp, sp, dims.pp > 1, cfg.data.streaming)
@@ -128,7 +134,7 @@ def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: n
             raise ConfigError(f"{key} {name} with compile.enable: torch {torch.__version__}'s split backward "
                               "loses a compiled block's graph between its input- and weight-gradient passes; "
                               "use 1F1B or Interleaved1F1B, compile.enable false, or torch >= 2.13")
-    stages = plan_stages(cfg.parallelism, len(getattr(model, spec.blocks)), cfg.training.local_batch_size)
+    stages = plan_stages(cfg.parallelism, len(spec.blocks_of(model)), cfg.training.local_batch_size)
     return dataclasses.replace(stages, tied=tied_names(model))
 
 
@@ -153,6 +159,11 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
         return
     else:
         path = Path(cfg.initial_load_path)
+        held = complete_steps(path, warn=False) if not (path / INFO).is_file() else []
+        if held:  # a run's checkpoint folder: which of its steps is the user's choice, not ours
+            raise ConfigError(f"checkpoint.initial_load_path: '{path}' holds the checkpoints "
+                              f"{', '.join(f'step-{n}' for n in sorted(held))}, not one checkpoint; name the one to "
+                              f"start from, e.g. {path / f'step-{held[0]}'}")
     whole = model_shapes(spec, args)
     check_saved_model(path, read_info(path), read_metadata(path), spec, args, whole, whole)
 

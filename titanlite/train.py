@@ -26,6 +26,7 @@ from titanlite.checkpoint.merge import ModelMerge
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader, ignored_keys_note
+from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
@@ -197,12 +198,13 @@ def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
                      meshes.dp_cp.get_group() if dims.pp > 1 else None)
 
 
-def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype) -> None:
-    """The run's first line (and the warm-up note), on rank 0."""
+def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, dtype: torch.dtype,
+             loader: StatefulDataLoader) -> None:
+    """The run's first line (and the warm-up and chat data notes), on rank 0."""
     t = cfg.training
     if dist.get_rank() == 0:
         accum = plan.global_batch_size // (t.local_batch_size * plan.dims.dp)
-        print(f"titanlite: {cfg.model.name} {cfg.model.flavor} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
+        print(f"titanlite: {cfg.model.name} {cfg.model.variant} ({plan.n_params / 1e6:.1f}M params), {plan.dims}, "
               f"global batch {plan.global_batch_size} x {t.seq_len} tokens, {accum} micro-batch(es), "
               f"{device.type}, {dtype}, {meshes.groups.count} process groups per rank", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
@@ -211,6 +213,8 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
             print(f"titanlite: warm-up {phase.describe()}", flush=True)
         if note := ignored_keys_note(cfg.data):
             print(note, file=sys.stderr, flush=True)
+        for note in data_notes(loader.dataset):
+            print(note, flush=True)
 
 
 def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: int,
@@ -219,7 +223,7 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
     restarted attempt's line and restarts.jsonl row first (`heals`: replica groups, which heal
     rather than resume)."""
     t, rank = cfg.training, dist.get_rank()
-    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.flavor)
+    run_name = cfg.job.run_name or default_run_name(cfg.model.name, cfg.model.variant)
     metrics = MetricsLogger(cfg.job.dump_folder, run_name, cfg.metrics.enable_tensorboard, rank == 0, start_step,
                             config_load.to_toml(cfg))
     if rank == 0 and restart.attempt():  # torchrun restarted this job (fault_tolerance.max_restarts)
@@ -271,11 +275,12 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
-    announce(cfg, plan, meshes, device, dtype)  # after build_step, which may make the last process groups
+    announce(cfg, plan, meshes, device, dtype, loader)  # after build_step, which may make the last process groups
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    counts = data_counts(loader.dataset)  # chats longer than a sample; nothing for text
     validator = build_validator(cfg, plan, meshes)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
     metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, heals=ft is not None)
@@ -318,7 +323,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             speed, eta = throughput(step)
             metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                "peak_gib": peak_memory_gib(device), "skipped_steps": verdict.skipped,
-                               "epoch": epoch_of(plan.schedule.samples_before(step)) if epoch_of else None,
+                               "epoch": epoch_of(plan.schedule.samples_before(step)) if epoch_of else None, **counts,
                                **losses, **{k: float(v) for k, v in result.scalars.items()},
                                **({} if window is None else {"spike_steps": verdict.spikes}),
                                **({} if stragglers is None else stragglers.report(step, guard.own_s))}, eta)

@@ -208,7 +208,7 @@ def _summary(name: str, cfg: JobConfig, plan, args: BenchArgs, seconds: float, t
     measured = sum(r["matmul_flops"] for r in per_rank) / len(per_rank)
     peak = device_peak_flops(device) if device.type == "cuda" else measured
     result = {
-        "name": name, "model": f"{cfg.model.name} {cfg.model.flavor}", "layout": str(plan.dims),
+        "name": name, "model": f"{cfg.model.name} {cfg.model.variant}", "layout": str(plan.dims),
         "world_size": len(per_rank), "device": _device_name(device), "dtype": str(param_dtype(cfg.training.mixed_precision_param, device)).removeprefix("torch."),
         "threads": torch.get_num_threads(), "global_batch_size": plan.global_batch_size,
         "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,

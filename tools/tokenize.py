@@ -79,6 +79,9 @@ def tokenize(argv: list[str], out: str, workers: int, shard_tokens: int) -> dict
     if d.mix:
         raise ConfigError("data.mix: tokenize each source on its own (one --out folder each), "
                           "then mix the folders with data.mix")
+    if d.format == "chat":
+        raise ConfigError("data.format chat: chats are rendered and packed whole at start-up, never read "
+                          "from a token folder; train from the chat rows themselves")
     tokenizer = build_tokenizer(d.tokenizer)
     writer = TokenFolderWriter(Path(out), tokenizer, d.tokenizer, shard_tokens)
     bar = tqdm(desc=f"tokenizing {source_name(d.path)}", unit=" docs", file=sys.stderr)

@@ -106,7 +106,7 @@ class MTPParallel(ParallelStyle):
         return module
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     base = decoder_plan(between, loss_parallel, moe=True)
     latent = {f"attention.{n}": Replicated() for n in ("wq_a", "q_norm", "wkv_a", "kv_norm")}
     block = {k: v for k, v in base.block.items() if not k.startswith("attention.")} | latent | {

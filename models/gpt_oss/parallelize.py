@@ -17,7 +17,7 @@ def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
     check_expert_layout(args.moe, dims)
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     """The shared decoder plan: q, k, v split by heads (their biases with them: colwise), the
     output projection rowwise (its bias added once, after the reduction), the sinks sharded with
     their heads (`TPPlan.head_params`); MoE layers are not split over tp: each tp rank routes its

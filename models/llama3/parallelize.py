@@ -9,7 +9,7 @@ from torch.distributed.tensor import Placement
 from titanlite.parallel.tensor import TPPlan, decoder_plan
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     """The decoder's plan: heads and FFN hidden units split over TP; the residual stream is
     `between` outside them."""
     return decoder_plan(between, loss_parallel)

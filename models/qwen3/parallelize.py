@@ -9,7 +9,7 @@ from torch.distributed.tensor import Placement
 from titanlite.parallel.tensor import TPPlan, decoder_plan
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     """The decoder's plan plus the QK-norms, whose weights every rank holds whole and applies to
     its own heads (their gradients summed over TP)."""
     return decoder_plan(between, loss_parallel, qk_norm=True)

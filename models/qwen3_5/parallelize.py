@@ -60,7 +60,7 @@ class ReplicatedWeights(ParallelStyle):
         return distribute_module(module, mesh, params)
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     """Qwen3's plan (QK-norm, MoE entries) plus the full attention's gate and Gated DeltaNet's
     projections; `apply_tp` applies to each block the entries it has modules for."""
     plan = decoder_plan(between, loss_parallel, qk_norm=True, moe=True)

@@ -18,7 +18,7 @@ def check_layout(args: ModelArgs, dims: ParallelDims) -> None:
     check_expert_layout(args.moe, dims)
 
 
-def tp_plan(between: Placement, loss_parallel: bool) -> TPPlan:
+def tp_plan(between: Placement, loss_parallel: bool, model: object = None) -> TPPlan:
     """Qwen3's plan (QK-norm included) for attention and dense feed-forwards; MoE layers are not
     split over tp: each tp rank routes its own sequence shard over the expert-parallel group
     (see titanlite.parallel.tensor.decoder_plan)."""

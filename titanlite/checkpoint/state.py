@@ -141,11 +141,12 @@ class DataState:
                           "streams its own share); resume with the dp degree and data.num_workers it was saved with")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd["order"] != self.order:
-            saved, now = json.loads(sd["order"]), json.loads(self.order)
-            keys = [k for k in now if saved.get(k) != now[k]]
+        saved, now = json.loads(sd["order"]), json.loads(self.order)
+        default = dataclasses.asdict(Data())  # a key added to Data since the save held its default then
+        keys = [k for k in now if saved.get(k, default.get(k)) != now[k]]
+        if keys:
             raise ConfigError(f"the checkpoint's data order differs in {', '.join(keys)} (saved "
-                              f"{', '.join(f'{k}={saved.get(k)!r}' for k in keys)}); resuming would "
+                              f"{', '.join(f'{k}={saved.get(k, default.get(k))!r}' for k in keys)}); resuming would "
                               "repeat or skip samples. Restore those settings or start a new dump_folder")
         n, G = sd["samples_seen"], self.global_batch_size
         warm = self.schedule is not None and self.schedule.warms_up  # its schedule is a part of the order

@@ -35,10 +35,23 @@ class Model:
     """Size preset from the family's `flavors`."""
     vocab_size: int = 0
     """Embedding rows; 0 keeps the flavor's value. Must cover the tokenizer."""
+    hf_config: str = ""
+    """With model.name = transformers: the architecture, instead of a flavor: a folder with a
+    transformers config.json (its weights load with checkpoint.initial_load_format = hf), or a
+    model_type (llama, qwen3, gemma3, ...) built from transformers' defaults and hf_overrides.
+    docs/transformers_models.md."""
+    hf_overrides: list[str] = field(default_factory=list)
+    """KEY=VALUE changes to model.hf_config's config (VALUE as JSON: 64, 1e-6, true, null,
+    "text", [1, 2]), e.g. ["num_hidden_layers=2", "hidden_size=64"]; each KEY must exist there."""
     attn_backend: str = "sdpa"
     """Attention kernels: sdpa (flash for plain causal; masked blocks of queries otherwise), flex
     (FlexAttention, compiled on GPU; no backward on CPU) or varlen (CUDA, packed documents).
     docs/attention.md."""
+
+    @property
+    def variant(self) -> str:
+        """What logs and reports call the architecture: model.hf_config when set, else the flavor."""
+        return self.hf_config.rstrip("/").rpartition("/")[2] if self.hf_config else self.flavor
 
 
 @dataclass(frozen=True)
@@ -292,7 +305,8 @@ class Data:
     text_field: str = "text"
     """Field holding the text in .jsonl records."""
     tokenizer: str = "byte"
-    """byte (built in) or a folder with Hugging Face tokenizer files."""
+    """byte (built in), byte_chat (the byte tokenizer's ids with a ChatML chat template, built in)
+    or a folder with Hugging Face tokenizer files."""
     shuffle: bool = True
     """Shuffle samples with data.seed (layout-independent)."""
     seed: int = 0
@@ -300,7 +314,8 @@ class Data:
     num_workers: int = 0
     """Data loader worker processes."""
     holdout_fraction: float = 0.01
-    """Tail fraction of the token stream kept out of training for validation."""
+    """Tail fraction of the token stream (with format chat: of the chats) kept out of training for
+    validation."""
     split: str = "train"
     """Split to read from a Hugging Face data set (hf:NAME or a save_to_disk folder)."""
     mix: list[str] = field(default_factory=list)
@@ -319,6 +334,21 @@ class Data:
     document_mask: bool = False
     """Attention stays within each document of a packed sample, and RoPE positions
     restart at each document (as if each ran alone)."""
+    format: str = "text"
+    """text (documents back to back, cut into samples) or chat: rows of OpenAI-style messages,
+    each rendered whole with the tokenizer's chat template, several packed per sample (needs
+    document_mask); the loss is on the tokens data.train_on names. An empty data.path is then the
+    built-in chat set (standard-library docstrings). docs/post_training.md."""
+    messages_field: str = "messages"
+    """With format chat: the field (.jsonl) or column (.parquet, data sets) holding each row's list
+    of messages: {"role": system, user, assistant or tool, "content": ...}."""
+    train_on: str = "assistant"
+    """With format chat: the target tokens: assistant (every assistant turn, where the template's
+    {% generation %} spans say, else by rendering each prefix), all (every token), last (the
+    last assistant turn only)."""
+    overlong: str = "truncate"
+    """With format chat: a chat longer than training.seq_len + 1 tokens is truncate(d) to its first
+    seq_len + 1 or drop(ped); the counts are logged (chats_truncated, chats_dropped)."""
 
 
 @dataclass(frozen=True)
@@ -458,6 +488,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_save_error": ("stop", "continue"),
     "checkpoint.initial_load_format": ("dcp", "hf"),
     "checkpoint.export_dtype": ("", "float32", "bfloat16", "float16"),
+    "data.format": ("text", "chat"),
+    "data.train_on": ("assistant", "all", "last"),
+    "data.overlong": ("truncate", "drop"),
 }
 """The allowed values of every key that takes one of a fixed set (each element, for a list):
 declared here once; titanlite.config.load checks them, and the code that dispatches on a key

@@ -285,8 +285,8 @@ def check_config(cfg: JobConfig) -> None:
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     _check_data(cfg.data, cfg.validation)
-    if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
-        raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is neither 'byte' nor a folder")
+    if cfg.data.tokenizer not in ("byte", "byte_chat") and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is not 'byte', 'byte_chat' or a folder")
     c = cfg.checkpoint
     if c.interval < 1 or c.keep_latest_k < 0 or c.load_step < -1:
         raise ConfigError(f"checkpoint: need interval >= 1 (got {c.interval}), keep_latest_k >= 0 "
@@ -393,6 +393,8 @@ def _check_data(d: Data, v: Validation) -> None:
         raise ConfigError("data.document_mask needs document boundaries, which data.streaming does not "
                           "keep; turn one of them off")
     check_source(v.path, "validation.path")
+    if d.format == "chat":
+        _check_chat(d)
     if d.shuffle_buffer < 1:
         raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
     if v.freq < 0 or v.steps < 1:
@@ -403,6 +405,21 @@ def _check_data(d: Data, v: Validation) -> None:
     if v.freq and not v.path and d.streaming:
         raise ConfigError("validation.freq with data.streaming needs validation.path: a streamed "
                           "source has no held-out tail")
+
+
+def _check_chat(d: Data) -> None:
+    """data.format chat: what it cannot run with, before any file is read."""
+    if d.streaming:
+        raise ConfigError("data.format chat reads its rows whole to pack them; set data.streaming = false")
+    if not d.document_mask:
+        raise ConfigError("data.format chat packs several chats per sample; set data.document_mask = true so "
+                          "that each chat attends only to itself, with its own positions")
+    if d.tokenizer == "byte":
+        raise ConfigError("data.format chat renders each chat with the tokenizer's chat template, and "
+                          "data.tokenizer 'byte' has none; use 'byte_chat' (the same ids, with a template) or a "
+                          "tokenizer folder whose tokenizer_config.json has a chat_template")
+    if not d.messages_field:
+        raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -24,9 +24,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.config.job import Data, Validation
 from titanlite.config.load import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
-from titanlite.data.sources import is_token_folder, probe_source, read_documents, source_name, unread_keys
+from titanlite.data.packing import ChatSamples, chat_samples
 from titanlite.data.schedule import DataSchedule
+from titanlite.data.sources import (is_token_folder, iter_records, probe_source, read_documents, source_name,
+                                    unread_keys)
 from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.order import SampleOrder
 from titanlite.data.tokens import TokenStream, encode_documents, open_token_folder, read_index
 
 MIX_RESOLUTION = 1000  # mixture weights become integer counts per period of about this many samples
@@ -69,33 +72,13 @@ def split_stream(stream: TokenStream, holdout_fraction: float, split: str) -> To
     return TokenStream(stream.tokens[cut:], val_starts)
 
 
-class TokenSamples(Dataset):
+class TokenSamples(SampleOrder):
     """Map-style: item g is global sample g (any epoch), sliced straight out of the stream."""
 
     def __init__(self, stream: TokenStream, seq_len: int, shuffle: bool, seed: int,
                  source: tuple[int, ...] = (), document_mask: bool = False) -> None:
-        self.stream, self.seq_len, self.shuffle, self.seed = stream, seq_len, shuffle, seed
-        self.source = source  # mixture members draw their own permutations
-        self.document_mask = document_mask
-        self.num_samples = max(0, len(stream.tokens) - 1) // seq_len
-        self._perm: tuple[int, np.ndarray] | None = None
-
-    def position(self, g: int) -> int:
-        """Position in the stream (in samples) of global sample g."""
-        epoch, pos = divmod(g, self.num_samples)
-        if not self.shuffle:
-            return pos
-        if self._perm is None or self._perm[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch, *self.source])
-            # shuffling an arange draws the same order as rng.permutation(n), in half the memory
-            order = np.arange(self.num_samples, dtype=np.uint32 if self.num_samples < 2**32 else np.int64)
-            rng.shuffle(order)
-            self._perm = (epoch, order)
-        return int(self._perm[1][pos])
-
-    def epoch(self, g: int) -> int:
-        """Passes over the data completed before global sample g."""
-        return g // self.num_samples
+        super().__init__(max(0, len(stream.tokens) - 1) // seq_len, shuffle, seed, source)
+        self.stream, self.seq_len, self.document_mask = stream, seq_len, document_mask
 
     def __getitem__(self, g: int | tuple[int, int, int]) -> dict[str, torch.Tensor]:
         """Global sample g, or (g, length, k): its k-th piece of `length` tokens (a shorter
@@ -258,19 +241,23 @@ def mix_counts(weights: list[float]) -> list[int]:
 
 
 def _samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: tuple[int, ...] = ()
-             ) -> TokenSamples:
-    stream = split_stream(token_stream(cfg.path, cfg.text_field, tokenizer, cfg.split),
-                          cfg.holdout_fraction, split)
-    samples = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed, source, cfg.document_mask)
+             ) -> TokenSamples | ChatSamples:
+    if cfg.format == "chat":
+        samples = chat_samples(cfg, tokenizer, seq_len, split, source)
+        size = f"{len(samples.chats)} chats"
+    else:
+        stream = split_stream(token_stream(cfg.path, cfg.text_field, tokenizer, cfg.split),
+                              cfg.holdout_fraction, split)
+        samples = TokenSamples(stream, seq_len, cfg.shuffle, cfg.seed, source, cfg.document_mask)
+        size = f"{len(stream.tokens)} tokens"
     if source and samples.num_samples < 1:  # a single source gets the batch-size check instead
         raise ConfigError(f"data: no sample of seq_len {seq_len} fits in the {split} split of "
-                          f"{source_name(cfg.path)} ({len(stream.tokens)} tokens); use more data "
-                          "or a shorter seq_len")
+                          f"{source_name(cfg.path)} ({size}); use more data or a shorter seq_len")
     return samples
 
 
 def build_dataset(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str = "train"
-                  ) -> TokenSamples | MixedSamples:
+                  ) -> TokenSamples | ChatSamples | MixedSamples:
     """Map-style data set whose item g is global sample g; `split` is "train" or "val" (the
     held-out tail of every source)."""
     if cfg.shuffle and cfg.seed < 0:
@@ -290,7 +277,10 @@ def probe_data(data: Data, val: Validation) -> None:
     """Check every configured source (training, mixture, validation) before starting."""
     sources = [(p, data.split) for p in ([data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)])]
     for path, split in sources + ([(val.path, val.split)] if val.freq and val.path else []):
-        if is_token_folder(path):
+        if data.format == "chat":
+            if path:  # its first row (the built-in set needs no check)
+                next(iter_records(path, data.messages_field, split, "data.messages_field"), None)
+        elif is_token_folder(path):
             read_index(path)  # finished and whole; the tokenizer is checked where it is opened
         else:
             probe_source(path, data.text_field, split)
@@ -298,10 +288,15 @@ def probe_data(data: Data, val: Validation) -> None:
 
 def ignored_keys_note(data: Data) -> str | None:
     """A warning naming each data key set away from its default that no source of the run reads
-    (a token folder has no split or text field), or None."""
+    (a token folder has no split or text field, text has no messages, chats no text field), or None."""
     paths = [data.path] if not data.mix else [p for p, _ in parse_mix(data.mix)]
     unread = set.intersection(*(unread_keys(p) for p in paths))
-    keys = [k for k in ("split", "text_field") if k in unread and getattr(data, k) != getattr(Data(), k)]
+    if data.format == "chat":  # the built-in chat set has no fields
+        unread |= {"text_field"} | ({"messages_field"} if paths == [""] else set())
+    else:
+        unread |= {"messages_field", "train_on", "overlong"}
+    keys = [k for k in ("split", "text_field", "messages_field", "train_on", "overlong")
+            if k in unread and getattr(data, k) != getattr(Data(), k)]
     if not keys:
         return None
     what = "any source of data.mix" if data.mix else f"this run's data source, {source_name(data.path)}"
@@ -314,9 +309,9 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
                      schedule: DataSchedule | None = None) -> StatefulDataLoader:
     """Infinite loader of this dp rank's micro-batches: {"input_ids", "labels"}, each a
     LongTensor [local_batch_size, seq_len], and with data.document_mask also
-    {"document_ids", "positions"} of the input tokens (see `document_spans`). The trainer takes
-    global_batch_size // (local_batch_size * dp_degree) of them per optimizer step, or in a
-    warm-up what `schedule` says (titanlite.data.schedule, read by the loader's batch_sampler).
+    {"document_ids", "positions"} of the input tokens (see `document_spans`; chats: packing.py). The
+    trainer takes global_batch_size // (local_batch_size * dp_degree) of them per optimizer step, or in
+    a warm-up what `schedule` says (titanlite.data.schedule, read by the loader's batch_sampler).
     `loader.dataset.epoch(g)` is the epoch count at global sample g."""
     G, L, D = global_batch_size, local_batch_size, dp_degree
     if G < 1 or L < 1 or D < 1 or G % (L * D):
@@ -329,7 +324,7 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
 
         return build_streaming_loader(cfg, tokenizer, seq_len, L, dp_rank, D)
     dataset = build_dataset(cfg, tokenizer, seq_len, split)
-    if isinstance(dataset, TokenSamples) and dataset.num_samples < G:
+    if isinstance(dataset, SampleOrder) and dataset.num_samples < G:
         raise ConfigError(f"data: only {dataset.num_samples} samples of seq_len {seq_len} in the "
                           f"{split} split of {source_name(cfg.path)}; need at least "
                           f"global_batch_size {G} (use more data, a shorter seq_len or a "

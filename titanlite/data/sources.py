@@ -33,36 +33,46 @@ def source_name(path: str) -> str:
 
 
 
-def _stdlib_documents() -> list[str]:
-    """The running interpreter's own standard-library sources, minus tests and packages."""
+def stdlib_files() -> list[tuple[str, str]]:
+    """(path relative to the standard library's folder, text) of the running interpreter's own
+    standard-library sources, minus tests and packages, sorted by path, the first 16 MB."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _STDLIB_SKIP_DIRS]
         files += [Path(folder, n) for n in names if n.endswith(".py")]
     files.sort(key=lambda p: p.relative_to(root).as_posix())
-    docs, total = [], 0
+    out, total = [], 0
     for f in files:
         if total >= STDLIB_MAX_CHARS:
             break
-        docs.append(f.read_text(encoding="utf-8", errors="replace"))
-        total += len(docs[-1])
-    return docs
+        out.append((f.relative_to(root).as_posix(), f.read_text(encoding="utf-8", errors="replace")))
+        total += len(out[-1][1])
+    return out
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+def _stdlib_documents() -> list[str]:
+    return [text for _, text in stdlib_files()]
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"data.path: {path} line {lineno}: invalid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ConfigError(f"data.path: {path} line {lineno}: no text field '{field}'; "
-                                  "set data.text_field to the field holding the text")
-            yield record[field]
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    for lineno, record in _jsonl_rows(path):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise ConfigError(f"data.path: {path} line {lineno}: no text field '{field}'; "
+                              "set data.text_field to the field holding the text")
+        yield record[field]
 
 
 def _pyarrow_parquet():
@@ -74,7 +84,8 @@ def _pyarrow_parquet():
     return pq
 
 
-def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+def _parquet_column(path: Path, field: str, key: str = "data.text_field") -> Iterator[object]:
+    """The values of one column, row by row; `key` is the setting that names it."""
     pq = _pyarrow_parquet()
     try:
         pf = pq.ParquetFile(path)
@@ -83,13 +94,17 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
     names = pf.schema_arrow.names
     if field not in names:
         raise ConfigError(f"data.path: {path} has no column '{field}' (columns: {', '.join(names)}); "
-                          "set data.text_field to the column holding the text")
+                          f"set {key} to the column that holds it")
     for batch in pf.iter_batches(columns=[field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, str):
-                raise ConfigError(f"data.path: {path} column '{field}' holds {type(text).__name__}, "
-                                  "not text; set data.text_field to a string column")
-            yield text or ""
+        yield from batch.column(0).to_pylist()
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    for text in _parquet_column(path, field):
+        if text is not None and not isinstance(text, str):
+            raise ConfigError(f"data.path: {path} column '{field}' holds {type(text).__name__}, "
+                              "not text; set data.text_field to a string column")
+        yield text or ""
 
 
 def _file_documents(path: Path, field: str) -> Iterator[str]:
@@ -192,6 +207,33 @@ def iter_documents(path: str, field: str, split: str) -> Iterator[str]:
         raise ConfigError(f"data.path: '{path}' does not exist")
     for f in _files(p):
         yield from _file_documents(f, field)
+
+
+def iter_records(path: str, field: str, split: str, key: str) -> Iterator[tuple[str, object]]:
+    """(where, value) of field `field` of every row of a .jsonl or .parquet source or a data set, in
+    the source's own order; `where` names the row for an error line, `key` the setting naming the field."""
+    p = Path(path)
+    if is_token_folder(path):
+        raise ConfigError(f"data.path: '{path}' is a token folder, which holds tokens, not {field} rows")
+    if path.startswith("hf:") or _is_hf_disk(p):
+        ds = _hf_dataset(path, split, streaming=False)
+        if field not in ds.column_names:
+            raise ConfigError(f"data.path: {path} has no column '{field}' (columns: {', '.join(ds.column_names)}); "
+                              f"set {key} to the column that holds it")
+        for n, value in enumerate(v for batch in ds.iter(batch_size=1024) for v in batch[field]):
+            yield f"{path} row {n + 1}", value
+        return
+    if not p.exists():
+        raise ConfigError(f"data.path: '{path}' does not exist")
+    for f in _files(p):
+        if f.suffix == ".jsonl":
+            for lineno, record in _jsonl_rows(f):
+                yield f"{f} line {lineno}", record.get(field) if isinstance(record, dict) else None
+        elif f.suffix == ".parquet":
+            yield from ((f"{f} row {n + 1}", v) for n, v in enumerate(_parquet_column(f, field, key)))
+        else:
+            raise ConfigError(f"data.path: {f}: {field} rows come from .jsonl or .parquet files or a data set, "
+                              "not .txt")
 
 
 def read_documents(path: str, field: str, split: str) -> list[str]:

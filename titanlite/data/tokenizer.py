@@ -1,4 +1,5 @@
-"""Tokenizers: a built-in byte tokenizer and a wrapper around local Hugging Face tokenizer files.
+"""Tokenizers: a built-in byte tokenizer, its chat twin and a wrapper around local Hugging Face
+tokenizer files.
 
 Besides the `Tokenizer` protocol, both implementations offer `encode_batch(texts)`, which
 the data pipeline uses to tokenize a whole corpus at once (numpy for bytes, the Rust batch
@@ -90,13 +91,58 @@ class HFTokenizer:
         return self.hf.decode(ids)
 
 
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""byte_chat's ids 259 and 260, after the byte tokenizer's 256 bytes, BOS, EOS and pad."""
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}"
+    "{% if m.content %}{{ m.content }}{% endif %}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+    "<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML turns; {% generation %} marks what an assistant turn writes (its text, its tool calls,
+the end of its turn and the line break after it, so the spans are those that rendering each
+prefix finds too)."""
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte, which a byte-level BPE stores."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+
+
+def byte_chat_tokenizer() -> HFTokenizer:
+    """data.tokenizer = "byte_chat": the byte tokenizer's ids (every byte its own id, BOS 256, EOS
+    257, pad 258, so a model pre-trained on "byte" fine-tunes with it unchanged) as a Hugging Face
+    fast tokenizer with a ChatML chat template and two turn markers (ids 259, 260). Like any HF
+    tokenizer it reads its special tokens spelled out in text ("<s>", "<|im_end|>") as those tokens.
+    Built here in a millisecond rather than shipped as files; `.hf.save_pretrained(folder)` writes
+    it as one."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer(models.BPE(vocab={c: b for b, c in _byte_chars().items()}, merges=[]))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rust.decoder = decoders.ByteLevel()
+    rust.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                             for t in ("<s>", "</s>", "<pad>", *CHAT_TOKENS)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                 chat_template=BYTE_CHAT_TEMPLATE, model_max_length=2**62)
+    return HFTokenizer(hf, "byte_chat")
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """`"byte"` for the built-in byte tokenizer, else a folder of Hugging Face tokenizer files."""
+    """`"byte"` for the built-in byte tokenizer, `"byte_chat"` for its chat twin, else a folder of
+    Hugging Face tokenizer files."""
     if spec == "byte":
         return ByteTokenizer()
+    if spec == "byte_chat":
+        return byte_chat_tokenizer()
     folder = Path(spec)
     if not folder.is_dir():
-        raise ConfigError(f"data.tokenizer: '{spec}' is neither 'byte' nor a folder")
+        raise ConfigError(f"data.tokenizer: '{spec}' is not 'byte', 'byte_chat' or a folder")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ConfigError(f"data.tokenizer: '{spec}' has no tokenizer files (tokenizer.json or "
                           "tokenizer_config.json); save one there with "

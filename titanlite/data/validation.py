@@ -17,11 +17,11 @@ from torch import nn
 from titanlite.config.job import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
+from titanlite.data.packing import IGNORE_INDEX
 from titanlite.config.load import parse_mix
 from titanlite.data.sources import check_text, source_bytes
+from titanlite.data.chat import check_template
 from titanlite.data.tokenizer import Tokenizer
-
-IGNORE_INDEX = -100
 
 
 def validation_data(val: Validation, data: Data) -> tuple[Data, str]:
@@ -46,7 +46,9 @@ def preflight_data(data: Data, val: Validation, tokenizer: Tokenizer, seq_len: i
                                                                       else [p for p, _ in parse_mix(data.mix)])]
     if val.freq and val.path:
         sources.append(("validation.path", val.path))
-    for key, path in sources:
+    if data.format == "chat":  # every row is checked as it is rendered, below or on the ranks
+        check_template(tokenizer, data.tokenizer)
+    for key, path in sources if data.format == "text" else []:
         check_text(path, data.text_field, key)
     if data.streaming or sum(source_bytes(p) for _, p in sources) > PREFLIGHT_READ_BYTES:
         return

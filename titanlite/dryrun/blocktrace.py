@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from titanlite.model_spec import ModelSpec
 from titanlite.parallel.grad_norm import reduce_partial_grads
 from titanlite.dryrun.steptrace import StepTracer, within
 
@@ -35,15 +36,15 @@ def traced_depth(n: int, period: int, full: bool) -> int:
 
 
 class BlockWatch:
-    """Marks every block of `parts` (each part's `attr` module dict) while a step is traced;
-    `replay` then says what the tracer repeats to reach the real depth."""
+    """Marks every block of `parts` (their family's blocks: ModelSpec.blocks_of) while a step is
+    traced; `replay` then says what the tracer repeats to reach the real depth."""
 
-    def __init__(self, parts: list[torch.nn.Module], attr: str, tracer: StepTracer, n_blocks: int, period: int):
+    def __init__(self, parts: list[torch.nn.Module], spec: ModelSpec, tracer: StepTracer, n_blocks: int, period: int):
         self.tracer, self.period = tracer, period
         self.indices, self.unit, self.elsewhere, self.others, self.handles, self.patched = [], [], [], [], [], []
         self.repeats = n_blocks >= period + 3
         for part in parts:
-            blocks = getattr(part, attr)
+            blocks = spec.blocks_of(part)
             ids = sorted(int(i) for i in blocks)
             self.indices.append(ids)
             self.handles += [h for i, block in blocks.items() for h in _marks(tracer, block, int(i))]

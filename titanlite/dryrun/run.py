@@ -159,7 +159,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
-        watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
+        watch = BlockWatch(parts, plan.spec, tracer, n_blocks, period)
         with tracer:  # train.py's loop body, less checkpointing and logging
             one_step(step, batches, update, TracedReferee(watch))
         for h in handles:
@@ -236,7 +236,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     with mp.get_context("fork").Pool(len(ranks), maxtasksperchild=1) as pool:
         roles = pool.map(partial(trace_role, *args), ranks, chunksize=1)
     t = cfg.training
-    return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
+    return {"config": {"model": cfg.model.name, "flavor": cfg.model.variant, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
                        "attn_backend": backend, "compile": compiled, "replica_groups": groups},
@@ -373,8 +373,9 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: in
     floor = n_params * MIN_BYTES_PER_PARAM / world_size / GIB
     if floor > 1.1 * limit and cfg.job.memory_check == "error":
         what_model = (f"model.vocab_size {cfg.model.vocab_size}" if cfg.model.vocab_size
+                      else f"model.hf_config {cfg.model.hf_config}" if cfg.model.hf_config
                       else f"model.flavor {cfg.model.flavor}")
-        raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.flavor}): {n_params:,} parameters need at "
+        raise ConfigError(f"{what_model} ({cfg.model.name} {cfg.model.variant}): {n_params:,} parameters need at "
                           f"least {floor:,.0f} GiB per rank "
                           f"(weights, gradients and one optimizer state, sharded over all {world_size} ranks), "
                           f"more than {limit:.2f} GiB ({what}); use a smaller model or more ranks")

@@ -62,11 +62,11 @@ class Recompute:
 
     context_fn: Callable[[], tuple] | None = None
 
-    def __call__(self, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    def __call__(self, forward: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
         # compile traces a context_fn it is handed, but not torch's default one (torch 2.15:
         # "checkpoint not implemented for LazyVariableTracker context_fn"): pass none then
         options = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **options, **kwargs)
 
 
 class Block(nn.Module):

@@ -16,12 +16,18 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+def seed_of(seed: int, name: str) -> int:
+    """The seed `name`'s values are drawn with: a function of the run's seed and the name alone."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    return torch.Generator(device).manual_seed(seed_of(seed, name))
+
+
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give `param` (a DTensor shard, or a whole tensor) its part of the whole tensor `full`."""
     if isinstance(param, DTensor):
         # src_data_rank=None slices locally on each rank: no communication
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -40,7 +46,7 @@ def normal_(param: torch.Tensor, name: str, seed: int, std: float, cutoff: float
         torch.nn.init.normal_(full, std=std, generator=gen)
     else:
         torch.nn.init.trunc_normal_(full, std=std, a=-cutoff * std, b=cutoff * std, generator=gen)
-    _assign(param, full.to(param.dtype))
+    copy_full_(param, full.to(param.dtype))
 
 
 @torch.no_grad()
@@ -49,7 +55,7 @@ def uniform_(param: torch.Tensor, name: str, seed: int, low: float, high: float)
     device = param.to_local().device if isinstance(param, DTensor) else param.device
     full = torch.empty(param.shape, dtype=torch.float32, device=device)
     torch.nn.init.uniform_(full, low, high, generator=_generator(seed, name, device))
-    _assign(param, full.to(param.dtype))
+    copy_full_(param, full.to(param.dtype))
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.config.job import ActivationCheckpoint, Compile, Float8
 from titanlite.errors import ConfigError
-from titanlite.layers.decoder import Block, Recompute
+from titanlite.layers.decoder import Recompute
 from titanlite.model_spec import ModelSpec
 from titanlite.layers.moe import moe_layers
 from titanlite.layers.mtp import mtp_blocks
@@ -79,17 +79,20 @@ def _selective_contexts() -> tuple:
 
 def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint) -> None:
     """Recompute activations in backward: every block whole (full), every N-th block whole
-    (selective, layer), or in every block all but the matmul/attention outputs (selective, op)."""
+    (selective, layer), or in every block all but the matmul/attention outputs (selective, op).
+    A block declares a `recompute` field, which it checkpoints its own forward with
+    (titanlite.layers.decoder.Block; models/transformers gives transformers' layers one)."""
     if cfg.mode == "none":
         return
     per_op = cfg.mode == "selective" and cfg.selective_type == "op"
     if per_op:
         torch.utils.checkpoint.SAC_IGNORED_OPS |= _PROFILER_RANGES
     for i, block in enumerate(blocks):
-        if not isinstance(block, Block):
+        if not hasattr(block, "recompute"):
             raise ConfigError(f"activation_checkpoint.mode = {cfg.mode}: the model's block {type(block).__name__} "
-                              "is not a titanlite.layers.decoder.Block, whose `recompute` field the plan sets; "
-                              "build blocks as Block or set activation_checkpoint.mode = none")
+                              "declares no `recompute` field (a titanlite.layers.decoder.Recompute or None, which "
+                              "its forward checkpoints itself with); declare one, as titanlite.layers.decoder.Block "
+                              "does, or set activation_checkpoint.mode = none")
         if per_op:
             block.recompute = Recompute(_selective_contexts)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
@@ -148,17 +151,17 @@ def all_blocks(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """The blocks that float8, AC, compile and FSDP treat one by one, in the order they run: the
     model's (or stage's), then its multi-token prediction depths' (which would otherwise sit in
     the root: uncheckpointed, eager, gathered with the embeddings for the whole step)."""
-    return [*getattr(model, spec.blocks).values(), *mtp_blocks(model)]
+    return [*spec.blocks_of(model).values(), *mtp_blocks(model)]
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, meshes: Meshes, opts: ParallelizeOptions) -> None:
     """Apply every parallel dimension to `model` (a whole model or a pipeline stage), in place."""
-    blocks = getattr(model, spec.blocks)
+    blocks = spec.blocks_of(model)
     every_block = all_blocks(model, spec)
     if opts.float8.enable:
         apply_float8(every_block, opts.float8, fsdp=meshes.dims.fsdp)
     if meshes.dims.tp > 1:
-        plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel)
+        plan = spec.tp_plan(between_layout(opts.sequence_parallel), opts.loss_parallel, model)
         # without FSDP autocast gives the mixed precision, and the residual stream is float32
         autocast = opts.param_dtype if not meshes.dims.fsdp and opts.param_dtype != torch.float32 else None
         apply_tp(model, blocks, meshes.tp, plan, opts.sequence_parallel, gather_dtype=autocast)

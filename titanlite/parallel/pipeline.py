@@ -32,7 +32,7 @@ from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
 from titanlite.loss import ExtraLosses, LossFn, loss_context
-from titanlite.model_spec import ModelSpec
+from titanlite.model_spec import Elsewhere, ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.step import Batch, StepOutput, count_targets
@@ -137,25 +137,33 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def cut(model: nn.Module, spec: ModelSpec, start: int, stop: int, is_first: bool, is_last: bool) -> nn.Module:
     """Keep blocks [start, stop) of `model` in place; parameter names are unchanged."""
-    kept = {spec.blocks, *spec.pre, *spec.post}
+    kept = (spec.blocks, *spec.pre, *spec.post)
     # every stage would hold its own untied copy of these, trained on that stage's gradients alone
-    stray = [f"module '{n}'" for n, _ in model.named_children() if n not in kept]
-    stray += [f"parameter '{n}' (hold it in a module of its own)" for n, _ in model.named_parameters(recurse=False)]
+    stray = [n for n, _ in model.named_parameters() if not any(n.startswith(k + ".") for k in kept)]
     if stray:
-        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s top-level {stray[0]} is in no "
-                          f"pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
+        raise ConfigError(f"parallelism.pipeline_parallel_degree > 1: {spec.name}'s {_outside(stray[0], kept)} is in "
+                          f"no pipeline stage's list; add it to ModelSpec.pre (runs before the blocks) or post "
                           f"(after them) in models/{spec.name}/__init__.py")
-    if not is_first:
-        for name in spec.pre:
-            setattr(model, name, nn.Identity())
-    if not is_last:
-        for name in spec.post:
-            setattr(model, name, nn.Identity())
-    blocks: nn.ModuleDict = getattr(model, spec.blocks)
-    for key in list(blocks.keys()):
-        if not start <= int(key) < stop:
+    for name in (spec.pre if not is_first else ()) + (spec.post if not is_last else ()):
+        model.set_submodule(name, nn.Identity())
+    blocks = model.get_submodule(spec.blocks)
+    for key in [k for k, _ in blocks.named_children() if not start <= int(k) < stop]:
+        if isinstance(blocks, nn.ModuleDict):
             del blocks[key]
+        else:  # a list keeps its length: the model's forward may pick each block's inputs by its index
+            blocks[int(key)] = Elsewhere()
     return model
+
+
+def _outside(name: str, kept: tuple[str, ...]) -> str:
+    """The outermost module holding parameter `name` that no kept path runs through, or the
+    parameter itself when its owner is such a path's parent (the model, a base model)."""
+    parents = {k.rsplit(".", i)[0] for k in kept for i in range(1, k.count(".") + 1)}
+    owner = name.rpartition(".")[0].split(".") if "." in name else []
+    for i in range(1, len(owner) + 1):
+        if ".".join(owner[:i]) not in parents:
+            return f"module '{'.'.join(owner[:i])}'"
+    return f"parameter '{name}' (hold it in a module of its own)"
 
 
 def stage_modules(spec: ModelSpec, args, stages: StagePlan, meshes: Meshes) -> list[nn.Module]:

@@ -205,8 +205,8 @@ def check_tp_covered(model: nn.Module, family: str, blocks: str, tp: int) -> Non
         if isinstance(p, DTensor):
             continue
         owner, _, attr = name.rpartition(".")
-        head, _, rest = owner.partition(".")
-        in_block = head == blocks and bool(rest)
+        in_block = owner.startswith(blocks + ".")
+        rest = owner.removeprefix(blocks + ".")
         path = rest.partition(".")[2] if in_block else owner  # within the block (or the root); "": itself
         if not path or next(model.get_submodule(owner).children(), None) is not None:
             # held directly by a module with children (attention sinks, a fork's own scale)
@@ -234,7 +234,7 @@ def gather_in(module: nn.Module, dtype: torch.dtype) -> None:
     module.register_forward_pre_hook(cast, prepend=True)
 
 
-def apply_tp(model: nn.Module, blocks: nn.ModuleDict, mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool,
+def apply_tp(model: nn.Module, blocks: dict[str, nn.Module], mesh: DeviceMesh, plan: TPPlan, sequence_parallel: bool,
              gather_dtype: torch.dtype | None = None) -> None:
     """Split `model` over the TP mesh as `plan` says, keeping shared (tied) parameters shared.
     `gather_dtype`: the dtype autocast computes in, when autocast gives the mixed precision."""

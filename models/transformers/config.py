@@ -1,0 +1,161 @@
+"""The architecture a run trains, from model.hf_config (a folder with config.json, or a
+model_type with transformers' defaults) and model.hf_overrides, checked before launch: a causal
+LM, laid out as titanlite cuts it (model.embed_tokens, model.layers, model.norm, lm_head), whose
+attention titanlite's attention function can compute and whose training forward is
+deterministic (no dropout). Every refusal is one line naming the key or the module."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from titanlite.checkpoint.hf import read_config
+from titanlite.errors import ConfigError
+from titanlite.layers.attention import AttnContext, AttnSetup
+
+from .model import ModelArgs, Unsupported, build, causal_lm_class
+
+LAYOUT = {"model.embed_tokens": nn.Embedding, "model.layers": nn.ModuleList, "model.norm": nn.Module,
+          "lm_head": nn.Linear}
+"""Where titanlite finds a causal LM's parts (ModelSpec.pre, blocks and post): the layout of
+transformers' base_model_pp_plan, which most decoders share."""
+
+
+def parse_overrides(overrides: tuple[str, ...]) -> dict[str, Any]:
+    """["KEY=VALUE", ...] -> {KEY: VALUE}, VALUE read as JSON (else kept as text)."""
+    out = {}
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"model.hf_overrides: '{item}' is not KEY=VALUE (e.g. num_hidden_layers=2)")
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
+def resolve(source: str, overrides: tuple[str, ...] = ()) -> PretrainedConfig:
+    """The transformers config model.hf_config names, with model.hf_overrides given to its
+    constructor (so what transformers derives from them, as layer_types, follows)."""
+    values = parse_overrides(overrides)
+    if Path(source).is_dir():
+        raw = read_config(source)
+        where = f"{source}/config.json"
+    elif "/" in source or source.endswith(".json"):
+        raise ConfigError(f"model.hf_config: '{source}' is not a folder; give a folder with config.json or a "
+                          "model_type (llama, qwen3, ...)")
+    else:
+        raw, where = {"model_type": source}, f"model_type '{source}'"
+    return resolve_dict(raw, where, values)
+
+
+def resolve_dict(raw: dict[str, Any], where: str, values: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The transformers config of config.json contents `raw` (`where` names them), `values`
+    (checked to be keys of the config) given to its constructor with them."""
+    values = values or {}
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"model.hf_config: {where} names model_type '{model_type}', which transformers "
+                          f"{_version()} does not know{hint}")
+    cls = CONFIG_MAPPING[model_type]
+    # transformers 5's configs are dataclasses: their keys without building one (a default config
+    # may itself be inconsistent, and say so on stderr: Starcoder2's token ids)
+    keys = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(cls().to_dict())
+    known = keys | set(raw)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise ConfigError(f"model.hf_overrides: '{key}' is not a key of {cls.__name__}"
+                              + (f"; did you mean '{close[0]}'?" if close else ""))
+    try:
+        return cls.from_dict({**raw, **values})
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"model.hf_config: transformers refuses {where}"
+                          + (" with model.hf_overrides" if values else "")
+                          + f" ({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
+
+
+def from_hf_config(source: str, overrides: tuple[str, ...] = ()) -> ModelArgs:
+    """ModelSpec.from_hf_config: the args of model.hf_config with model.hf_overrides."""
+    return args_from_config(resolve(source, overrides))
+
+
+def args_from_config(config: PretrainedConfig) -> ModelArgs:
+    """The checked ModelArgs of a transformers config."""
+    causal_lm_class(config)
+    n_heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    kinds = getattr(config, "layer_types", None)
+    args = ModelArgs(dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=n_heads,
+                     n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+                     vocab_size=config.vocab_size,
+                     norm_eps=float(next((getattr(config, k) for k in ("rms_norm_eps", "layer_norm_eps", "norm_eps")
+                                          if getattr(config, k, None) is not None), 1e-6)),
+                     rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0)),
+                     max_seq_len=getattr(config, "max_position_embeddings", None) or 4096,
+                     tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                     sliding_window=getattr(config, "sliding_window", None) or 0,
+                     layer_types=tuple(kinds or ()),
+                     head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+                     ffn_hidden=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+                     config=json.dumps(config.to_dict(), sort_keys=True))
+    if set(args.layer_types) - set(ModelArgs.layer_kinds):
+        other = sorted(set(args.layer_types) - set(ModelArgs.layer_kinds))[0]
+        raise ConfigError(f"model.hf_config: {type(config).__name__} layer_types has '{other}' layers; titanlite's "
+                          "attention computes full and sliding-window causal attention only")
+    check_model(args)
+    return args
+
+
+def check_model(args: ModelArgs) -> None:
+    """Refuse, in one line, a model titanlite cannot train as it trains its own: built on meta
+    (every layer, at its real size: no memory) and run forward on meta tokens, so that what its
+    attention asks of titanlite's attention function is checked before launch too."""
+    with torch.device("meta"):
+        model = build(args)
+    name = type(model).__name__.removeprefix("Titanlite")
+    for path, kind in LAYOUT.items():
+        try:
+            part = model.get_submodule(path)
+        except AttributeError:
+            part = None
+        if not isinstance(part, kind):
+            raise ConfigError(f"model.hf_config: {name} has no {kind.__name__} at '{path}'; titanlite cuts a causal LM "
+                              "at model.embed_tokens, model.layers, model.norm and lm_head (transformers' "
+                              "base_model_pp_plan layout)")
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ConfigError(f"model.hf_config: {name}'s {path} drops out {module.p} of its inputs; titanlite "
+                              "trains without dropout (every layout equal to one process): set that dropout to 0 "
+                              "in model.hf_overrides")
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            raise ConfigError(f"model.hf_config: {name}'s {path} soft-caps its attention logits "
+                              f"(attn_logit_softcapping {module.attn_logit_softcapping}), which titanlite's attention "
+                              "does not compute; set attn_logit_softcapping=null in model.hf_overrides")
+    windows = tuple({args.window(i) for i in range(args.n_layers)})
+    tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad():
+            model(tokens, AttnContext(setup=AttnSetup(windows=windows)))
+    except Unsupported as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"model.hf_config: {first}") from None
+    except (NotImplementedError, RuntimeError):
+        pass  # an operation meta tensors cannot run (a MoE's routing): the first real forward checks the same
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__

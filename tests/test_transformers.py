@@ -1,0 +1,290 @@
+"""The transformers family (models/transformers): any transformers causal LM, trained by titanlite.
+
+In one process: every architecture of the family's debug list equals transformers' own
+forward and backward (the loss and every gradient to 1e-6 in float32) and keeps packed
+documents apart as transformers computes each alone, its buffers (RoPE's
+inv_freq, Gemma's embedding scale) recomputed rather than left as meta init leaves them; a
+saved transformers model loaded through its folder gives transformers' logits, with the
+folder's config unchanged; activation checkpointing recomputes a transformers layer, and a
+layer compiles as one graph; bad input is one line. On 2 gloo ranks, one launch for the list:
+FSDP 2, TP 2, CP 2 and PP 2 each equal one process or are refused by the preflight, which is
+docs/transformers_models.md's table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from harness import REPO, spawn_ranks
+
+from titanlite.errors import ConfigError
+from titanlite.layers import init
+from titanlite.layers.attention import AttnContext
+from titanlite.loss import cross_entropy_sum
+from titanlite.model_spec import get_model_spec
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+SPEC = get_model_spec("transformers")
+FLAVORS = [f for f in SPEC.flavors if f != "debugmodel"]
+
+
+def _reference(args, config=None):
+    """transformers' own model of the same config, with the attention it ships (sdpa where the
+    architecture supports it, else eager)."""
+    from titanlite.models.transformers.model import causal_lm_class, hf_config
+
+    config = config or hf_config(args)
+    cls = causal_lm_class(config)
+    return cls._from_config(config, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
+
+
+def _titanlite(args, seed: int = 0) -> torch.nn.Module:
+    """As the trainer makes it: built on meta, then materialised by titanlite's init."""
+    with torch.device("meta"):
+        model = SPEC.build(args)
+    init.materialize(model, torch.device("cpu"), seed)
+    return model
+
+
+def test_every_architecture_equals_transformers():
+    """Forward and backward; and a batch of packed documents (positions restarting at each):
+    with titanlite's document masks, every document's logits are those transformers gives it
+    alone."""
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    spans = ((0, 5), (5, 12), (12, 16), (16, 32))
+    docs = torch.cat([torch.full((2, b - a), i) for i, (a, b) in enumerate(spans)], 1)
+    positions = torch.cat([torch.arange(b - a) for a, b in spans])[None].expand(2, -1)
+    for flavor in FLAVORS:
+        args = SPEC.flavors[flavor]
+        model = _titanlite(args)
+        ref = _reference(args)
+        ref.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            want = torch.cat([ref(input_ids=tokens[:, a:b]).logits for a, b in spans], 1)
+            got = model(tokens[:, :32], AttnContext(positions, docs))
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6, (flavor, "documents")
+        # buffers meta init leaves empty (RoPE's inv_freq, Gemma's embedding scale) are transformers' own values
+        want = dict(ref.named_buffers())
+        for name, buf in model.named_buffers():
+            assert torch.equal(buf, want[name]), (flavor, name)
+            assert "inv_freq" not in name or buf.abs().min() > 0, (flavor, name)
+        out = ref(input_ids=tokens, labels=tokens)  # transformers shifts the labels itself
+        out.loss.backward()
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = cross_entropy_sum(model(inputs, AttnContext()), labels) / labels.numel()
+        loss.backward()
+        assert abs(loss.item() - out.loss.item()) <= 1e-6 * out.loss.item(), (flavor, loss.item(), out.loss.item())
+        grads = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            want = grads[name].grad
+            diff = ((p.grad - want).abs().max() / want.abs().max()).item()
+            assert diff <= 1e-6, (flavor, name, diff)
+
+
+def test_initialisation_is_transformers_rule_drawn_by_name():
+    """Each parameter drawn with its module's transformers rule (Gemma's (1 + w) norms start at 0,
+    Llama's at 1; linears N(0, initializer_range)), from a generator seeded by (seed, name)."""
+    gemma, llama = _titanlite(SPEC.flavors["debug_gemma3_text"]), _titanlite(SPEC.flavors["debug_llama"])
+    assert torch.equal(gemma.model.norm.weight, torch.zeros(64))
+    assert torch.equal(llama.model.norm.weight, torch.ones(64))
+    q = llama.model.layers[0].self_attn.q_proj.weight
+    assert 0.015 < q.std() < 0.025
+    again, other = _titanlite(SPEC.flavors["debug_llama"]), _titanlite(SPEC.flavors["debug_llama"], seed=1)
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, q)
+    assert not torch.equal(other.model.layers[0].self_attn.q_proj.weight, q)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A random transformers Gemma 3 (tied embeddings, a scaled embedding, local and global RoPE)
+    saved as a folder, with config values the family's defaults would not give."""
+    from titanlite.models.transformers import DEBUG, TINY
+
+    folder = tmp_path_factory.mktemp("gemma3")
+    config = AutoConfig.for_model("gemma3_text", **{**TINY, **DEBUG["gemma3_text"], "rms_norm_eps": 1e-5,
+                                                    "max_position_embeddings": 96})
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_saved_model_loads_through_its_folder_with_transformers_logits(saved):
+    """TorchTitan's three bugs when loading pretrained weights, each checked: RoPE's inv_freq
+    (and Gemma's embedding scale) recomputed, not zero; the folder's config values, not the
+    family's; the tied embedding shared by lm_head."""
+    from titanlite.checkpoint.dcp import load_hf_weights, model_shapes
+
+    from titanlite.model_spec import model_args
+
+    ref = AutoModelForCausalLM.from_pretrained(saved, attn_implementation="sdpa")
+    # as the preflight makes them: the training sequence (32) is titanlite's, not the config's (96)
+    args = model_args(SPEC, "debugmodel", 0, 32, hf_config=str(saved))
+    assert args.max_seq_len == 32
+    model = _titanlite(args, seed=7)
+    assert load_hf_weights([model], saved, SPEC.hf, args, model_shapes(SPEC, args)) == []
+    theirs, ours = ref.config.to_dict(), model.config.to_dict()
+    assert {k: v for k, v in ours.items() if theirs.get(k) != v and k != "_name_or_path"} == {}
+    assert (ours["max_position_embeddings"], ours["rms_norm_eps"]) == (96, 1e-5)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, dict(ref.named_buffers())[name]), name
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    want = ref(input_ids=tokens).logits
+    got = model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_a_folder_transformers_converts_on_load_is_refused_in_one_line(tmp_path):
+    """transformers saves Qwen3-MoE's experts one by one and fuses them as it loads: the folder's
+    names are not the model's, which the refusal says."""
+    from titanlite.checkpoint.hf import read_safetensors
+    from titanlite.models.transformers.model import causal_lm_class, hf_config
+
+    args = SPEC.flavors["debug_qwen3_moe"]
+    causal_lm_class(hf_config(args))(hf_config(args)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.0.down_proj.weight' has no place in "
+                                          r"Qwen3MoeForCausalLM .* transformers converts qwen3_moe's saved weights"):
+        SPEC.hf.from_hf(read_safetensors(tmp_path, meta=True), args)
+
+
+def test_activation_checkpointing_recomputes_a_transformers_layer():
+    """A transformers decoder layer is no titanlite Block: its forward is wrapped in place, and
+    backward runs it again; gradients are those without it, bit for bit."""
+    from titanlite.config.job import ActivationCheckpoint
+    from titanlite.parallel.apply import all_blocks, apply_ac
+
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, calls = [], []
+    for mode in ("none", "full"):
+        model = _titanlite(SPEC.flavors["debug_qwen3"])
+        apply_ac(all_blocks(model, SPEC), ActivationCheckpoint(mode=mode))
+        count = [0]
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        calls.append(count[0])
+    assert calls == [1, 2]
+    assert all(torch.equal(grads[0][n], g) for n, g in grads[1].items())
+
+
+def test_a_transformers_layer_compiles_as_one_graph():
+    """Per-block compile (fullgraph) through titanlite's attention function, with checkpointing."""
+    from titanlite.config.job import ActivationCheckpoint
+    from titanlite.parallel.apply import all_blocks, apply_ac
+
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for compiled in (False, True):
+        model = _titanlite(SPEC.flavors["debug_llama"])
+        blocks = all_blocks(model, SPEC)
+        apply_ac(blocks, ActivationCheckpoint(mode="full"))
+        if compiled:
+            torch._dynamo.reset()
+            for block in blocks:
+                block.compile(fullgraph=True, backend="eager")
+        losses.append(cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]))
+    assert torch.equal(losses[0], losses[1])
+
+
+def _check(argv: list[str], tmp_path) -> None:
+    """`python -m titanlite.train --check ...`, in process: the preflight every rank runs."""
+    from titanlite.train import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--check", "--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--model.name",
+              "transformers", *argv])
+    assert stop.value.code == 2
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--model.hf_config", "t5"], r"model_type 't5' is not a causal language model"),
+    (["--model.hf_config", "lama"], r"does not know; did you mean 'llama'"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", "hiden_size=64"],
+     r"model.hf_overrides: 'hiden_size' is not a key of LlamaConfig; did you mean 'hidden_size'"),
+    (["--model.hf_config", "gemma2", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
+     r"soft-caps its attention logits \(attn_logit_softcapping 50.0\)"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"],
+     r"LlamaAttention has attention dropout 0.1"),
+    (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
+    (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
+     r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig.base_model_tp_plan entry "
+     r"'layers.\*.mlp.experts.gate_up_proj': 'packed_colwise' is not a style titanlite applies"),
+    (["--model.flavor", "debug_qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
+     r"expert_parallel_degree 2: expert parallelism shards titanlite's MoE layers"),
+    (["--model.flavor", "debug_granite", "--parallelism.pipeline_parallel_degree", "2"],
+     r"GraniteForCausalLM's forward changes the hidden states between its embedding and its block 0"),
+    (["--model.flavor", "debug_llama", "--optimizer.name", "Muon"], r"optimizer.name Muon"),
+])
+def test_bad_input_is_one_line(argv, expect, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _check(argv, tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.search(expect, lines[0]) and lines[0].startswith("titanlite: error: "), lines
+
+
+def test_hf_config_is_for_the_transformers_family(tmp_path, capsys):
+    from titanlite.train import main
+
+    with pytest.raises(SystemExit):
+        main(["--check", "--job.dump_folder", str(tmp_path), "--model.name", "llama3", "--model.hf_config", "llama"])
+    assert "llama3 takes its architecture from model.flavor" in capsys.readouterr().err
+
+
+def _table(found: dict) -> str:
+    """docs/transformers_models.md's table of what the parity launch found."""
+    layouts = list(next(iter(found["results"].values())))
+    rows = [f"| architecture | {' | '.join(layouts)} |", "|" + " --- |" * (len(layouts) + 1)]
+    reasons = []
+    for flavor, results in found["results"].items():
+        cells = []
+        for layout in layouts:
+            outcome = results[layout]
+            if outcome.startswith("refused: "):
+                reasons.append(outcome.removeprefix("refused: "))
+                outcome = f"refused ({len(reasons)})"
+            cells.append(outcome)
+        rows.append(f"| {flavor.removeprefix('debug_')} | {' | '.join(cells)} |")
+    rows += ["", *(f"{i}. `{r}`" for i, r in enumerate(reasons, 1))]
+    return "\n".join(rows)
+
+
+def test_every_architecture_on_every_layout_is_the_table_in_the_docs(tmp_path):
+    out = tmp_path / "parity.json"
+    codes, output = spawn_ranks(2, [str(REPO / "tests" / "transformers_parity.py"), str(out)], timeout=600)
+    assert out.exists(), output[-6000:]
+    found = json.loads(out.read_text())
+    bad = {f: {k: v for k, v in r.items() if v == "MISMATCH"} for f, r in found["results"].items()}
+    assert not any(bad.values()) and codes == [0, 0], (bad, output[-6000:])
+    docs = (REPO / "docs" / "transformers_models.md").read_text()
+    table = _table(found)
+    assert table in docs, f"docs/transformers_models.md's table is not what the test found; it found:\n{table}"
+    assert f"transformers {found['transformers']}" in docs
+
+
+def test_the_dry_run_traces_transformers_llama_as_native_llama3():
+    """Memory and time come from the traced step (so the planner's do too): transformers' Llama
+    at the shapes of llama3's debug model, on 4 ranks (FSDP 2 x TP 2), moves the same
+    collectives with the same bytes and does the same FLOPs as llama3; its peak is within 10%
+    (it computes RoPE's tables per step where llama3 keeps them)."""
+    from titanlite.config import load as config
+    from titanlite.dryrun.run import dry_run
+
+    a = get_model_spec("llama3").flavors["debugmodel"]
+    shapes = (f"hidden_size={a.dim},num_hidden_layers={a.n_layers},num_attention_heads={a.n_heads},"
+              f"num_key_value_heads={a.n_kv_heads},vocab_size={a.vocab_size},intermediate_size={a.ffn_hidden}")
+    roles = []
+    for model in (["--model.name", "llama3"],
+                  ["--model.name", "transformers", "--model.hf_config", "llama", "--model.hf_overrides", shapes]):
+        cfg, _ = config.load([*model, "--training.seq_len", "64", "--training.local_batch_size", "1",
+                              "--parallelism.tensor_parallel_degree", "2"])
+        roles.append(dry_run(cfg, 4)["_roles"][0])
+    native, ours = roles
+    assert ours.comms == native.comms and ours.flops == native.flops
+    for phase, peak in native.peaks.items():
+        assert abs(ours.peaks[phase]["total"] - peak["total"]) <= 0.1 * peak["total"], phase

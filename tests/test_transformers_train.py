@@ -1,0 +1,99 @@
+"""The transformers family through the real trainer, as a native family: a saved transformers
+model (Qwen2, tied embeddings) starts a 2-rank FSDP run through checkpoint.initial_load_format
+hf with transformers' own first loss; the run resumes bitwise from its checkpoint, reshards onto
+tensor parallel, and its checkpoint exports back to a folder transformers loads with the
+trained model's logits. Three launches of 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import TINY, train
+from test_checkpoint import assert_same_tensors, losses_by_step
+
+from titanlite.checkpoint.dcp import load_tensors
+from titanlite.config.job import Data
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.model_spec import get_model_spec
+from titanlite.tools.convert import convert
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from titanlite.models.transformers import DEBUG, TINY as SIZES
+
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **{**SIZES, **DEBUG["qwen2"]})).save_pretrained(path)
+    return path
+
+
+def job(folder: Path, *extra: str) -> list[str]:
+    return [*TINY, "--model.name", "transformers", "--model.hf_config", str(folder), "--training.steps", str(STEPS),
+            "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_format", "hf",
+            "--lr_scheduler.warmup_steps", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def straight(folder, tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("straight")
+    run = train(2, job(folder), dump=dump)
+    assert f"initial weights from {folder} (hf)" in run.output
+    return dump
+
+
+def test_the_first_step_is_transformers_loss_on_the_folder_s_weights(folder, straight):
+    """FSDP 2, the embedding tied to lm_head: step 1's loss is the folder's model's own on the
+    step's batch (RoPE recomputed, the config the folder's, the tie kept)."""
+    loader = build_dataloader(Data(holdout_fraction=0.0), build_tokenizer("byte"), seq_len=64, global_batch_size=8,
+                              local_batch_size=8, dp_rank=0, dp_degree=1)
+    batch = next(iter(loader))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    logits = model(input_ids=batch["input_ids"]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    assert abs(losses_by_step(straight)[1] - want) <= 1e-6 * want
+
+
+def test_resume_is_bitwise(folder, straight, tmp_path):
+    shutil.copytree(straight / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    run = train(2, job(folder), dump=tmp_path)
+    assert "resumed from" in run.output
+    assert [r["loss"] for r in run.metrics] == [losses_by_step(straight)[s] for s in (3, 4)]
+    assert_same_tensors(straight / "checkpoint" / "step-4", tmp_path / "checkpoint" / "step-4")
+
+
+def test_a_checkpoint_reshards_onto_tensor_parallel(folder, straight, tmp_path):
+    shutil.copytree(straight / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    run = train(2, job(folder, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"),
+                dump=tmp_path)
+    want = [losses_by_step(straight)[s] for s in (3, 4)]
+    assert [r["step"] for r in run.metrics] == [3, 4]
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(run.losses, want)), (run.losses, want)
+
+
+def test_export_is_a_folder_transformers_loads_with_equal_logits(folder, straight, tmp_path):
+    convert(str(straight / "checkpoint" / "step-4"), str(tmp_path / "hf"), "dcp", "hf")
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    original = json.loads((folder / "config.json").read_text())
+    assert {k: v for k, v in original.items() if exported.get(k) != v} == {"transformers_version":
+                                                                            original["transformers_version"]}
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    spec = get_model_spec("transformers")
+    model = spec.build(spec.from_hf_config(str(folder), ()))
+    model.load_state_dict(load_tensors(straight / "checkpoint" / "step-4", "model."))
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    want, got = ref(input_ids=tokens).logits, model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+    assert not torch.equal(ref.lm_head.weight, AutoModelForCausalLM.from_pretrained(folder).lm_head.weight)

@@ -1,0 +1,78 @@
+"""Every architecture of the transformers family's debug list, on 2 gloo ranks, in four layouts
+(FSDP 2, TP 2, CP 2, PP 2), one launch for all: each layout is either refused by the preflight
+(the one line a user gets, `titanlite.preflight.make_plan`), or one step's loss and every
+gradient equal one process's (tests/grad_parity.py's checks: loss to 1e-6, gradients to 1e-5).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/transformers_parity.py OUT.json
+
+Rank 0 writes {flavor: {layout: "passed" | "refused: <line>" | "MISMATCH"}} to OUT.json;
+tests/test_transformers.py turns it into docs/transformers_models.md's table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import grad_parity
+from titanlite.config import load as config_load
+from titanlite.errors import ConfigError
+from titanlite.model_spec import get_model_spec
+from titanlite.parallel.mesh import init_process_group
+from titanlite.preflight import make_plan
+
+LAYOUTS = {
+    "FSDP 2": (["--parallelism.data_parallel_shard_degree", "2"], dict(dp_shard=2, tp=1)),
+    "TP 2": (["--parallelism.tensor_parallel_degree", "2"], dict(dp_shard=1, tp=2)),
+    "CP 2": (["--parallelism.context_parallel_degree", "2"], dict(dp_shard=1, tp=1, cp=2)),
+    "PP 2": (["--parallelism.pipeline_parallel_degree", "2"], dict(dp_shard=1, tp=1, pp=2, schedule="1F1B")),
+}
+"""Layout name -> (its preflight flags on 2 ranks, grad_parity.main's arguments)."""
+
+
+def refusal(flavor: str, flags: list[str]) -> str | None:
+    """The preflight's one line for this layout, or None when it would launch."""
+    cfg, _ = config_load.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len", "32",
+                               "--training.local_batch_size", "4",
+                               "--job.dump_folder", tempfile.mkdtemp(prefix="titanlite-parity-"), *flags])
+    try:
+        make_plan(cfg, 2)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def main(out: str) -> bool:
+    spec = get_model_spec("transformers")
+    results = {}
+    for flavor in (f for f in spec.flavors if f != "debugmodel"):
+        results[flavor] = {}
+        for layout, (flags, kwargs) in LAYOUTS.items():
+            line = refusal(flavor, flags)
+            if line is not None:
+                results[flavor][layout] = f"refused: {line}"
+                continue
+            ok = grad_parity.main(f"transformers/{flavor}", sequence_parallel=True, **kwargs)
+            results[flavor][layout] = "passed" if ok else "MISMATCH"
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"transformers": _version(), "results": results}, f, indent=1)
+    return all(r != "MISMATCH" for layouts in results.values() for r in layouts.values())
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    init_process_group(torch.device("cpu"), 120)
+    ok = main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
