@@ -7,6 +7,8 @@ kill_at_step=N  SIGKILL this process in the middle of saving step N: every data 
 log_compiles    log each function Dynamo starts tracing (TORCH_LOGS=dynamo would not reach a
                 rank: it is read when torch is imported, which the harness's fork server did), to
                 <dump>/logs/rank-R.log with the rest of stderr that is not titanlite's.
+chunk_bytes=N   the loss in chunks of N bytes of float32 logits (titanlite.loss.CHUNK_BYTES), so a
+                tiny model's loss runs chunked.
 """
 
 import logging
@@ -16,7 +18,7 @@ import signal
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from titanlite import train
+from titanlite import loss, train
 from titanlite.checkpoint.dcp import CheckpointManager
 
 HOOK = os.environ.get("TITANLITE_TEST_HOOK", "")
@@ -45,6 +47,8 @@ elif HOOK.startswith("kill_at_step="):
     FileSystemWriter.finish = _finish_or_die
 elif HOOK == "log_compiles":
     torch._logging.set_logs(dynamo=logging.INFO)
+elif HOOK.startswith("chunk_bytes="):
+    loss.CHUNK_BYTES = int(HOOK.split("=")[1])
 elif HOOK:
     raise SystemExit(f"unknown TITANLITE_TEST_HOOK '{HOOK}'")
 

@@ -1,7 +1,8 @@
 """FSDP x TP really divides memory: each of the 4 ranks of a dp_shard=2 x tp=2 layout
 holds a quarter of the debug model's parameters and AdamW moments (plus its share of
 the RMSNorm weights, which TP replicates and only FSDP shards), and, with loss parallel,
-half of the logits; the loss in chunks equals the whole loss under loss parallel."""
+half of the logits; the loss in chunks equals the whole loss under loss parallel, and so does the
+z-loss (its logsumexp over the sharded vocabulary) a dense one on the gathered logits."""
 
 import dataclasses
 import json
@@ -18,7 +19,7 @@ import titanlite.models.llama3 as llama3
 from titanlite.config.job import ActivationCheckpoint, Compile, Optimizer
 from titanlite.parallel.mesh import ParallelDims
 from titanlite import loss
-from titanlite.loss import cross_entropy_sum, loss_context
+from titanlite.loss import Z_LOSS, ExtraLosses, build_loss_fn, cross_entropy_sum, loss_context
 from titanlite.layers import init
 from titanlite.config.job import LRScheduler
 from titanlite.optim import build_optimizers
@@ -50,6 +51,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         # loss parallel: each rank holds only its half of the vocabulary's logits
         assert isinstance(logits, DTensor) and logits.to_local().shape == (2, 64, ARGS.vocab_size // 2)
         _chunks_equal_the_whole(logits.detach())
+        _z_loss_matches_dense(logits.detach())
         cross_entropy_sum(logits, tokens).backward()
     reduce_partial_grads(list(model.parameters()))
     optimizer.step()  # AdamW allocates its moments lazily, in the parameters' layout
@@ -75,6 +77,27 @@ def _chunks_equal_the_whole(logits: DTensor) -> None:
     loss.CHUNK_BYTES = 1 << 28
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
+
+
+def _z_loss_matches_dense(logits: DTensor) -> None:
+    """The z-loss on vocab-sharded logits, whole and in chunks of 10 tokens, against the dense
+    z-loss on the gathered logits (tests/test_recipes.py writes the same reference): its sum and
+    the logits gradient (cross-entropy included)."""
+    labels = torch.randint(0, ARGS.vocab_size, logits.shape[:2], generator=torch.Generator().manual_seed(3))
+    full = logits.full_tensor().requires_grad_()
+    n = torch.tensor(labels.numel())
+    ce = torch.nn.functional.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="sum")
+    ref_z = 1e-2 * torch.logsumexp(full, -1).square().sum()
+    ((ce + ref_z) / n).backward()
+    for chunk_bytes in (1 << 28, 4 * 256 * 10):
+        loss.CHUNK_BYTES = chunk_bytes
+        x = logits.clone().requires_grad_()
+        extra = ExtraLosses()
+        with extra.collect(n) as sums:
+            (build_loss_fn(Compile(), True, z_loss=1e-2)(x, labels, extra) / n).backward()
+        assert sums[Z_LOSS].item() == pytest.approx(ref_z.item(), rel=1e-6)
+        torch.testing.assert_close(x.grad.full_tensor(), full.grad, rtol=1e-6, atol=1e-9)
+    loss.CHUNK_BYTES = 1 << 28
 
 
 def test_fsdp2_x_tp2_holds_a_quarter_per_rank():

@@ -1,6 +1,6 @@
 """Pipeline parallelism reproduces a single-process run on the same global batch: every
 schedule at pp 2, more stages than ranks, pp 4, and pp composed with FSDP, TP, CP, AC and
-gradient accumulation, for Llama 3 and Qwen 3. The validation loss, computed forward-only
+gradient accumulation (also growing, a batch warm-up), and with the z-loss, for Llama 3 and Qwen 3. The validation loss, computed forward-only
 through the pipeline on the last stage, matches too."""
 
 import pytest
@@ -83,10 +83,20 @@ def test_pp_layouts(layout):
     assert_matches(ref, train(nproc, [*BASE, *extra]))
 
 
-def test_pp2_cp2_with_document_masking():
-    docs = [*BASE, "--data.document_mask", "true"]
-    ref = reference([*docs, "--training.local_batch_size", "8"])
-    assert_matches(ref, train(4, [*docs, *pp(2, CP_SCHEDULE, 2, 8), "--parallelism.context_parallel_degree", "2"]))
+def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():
+    """pp 2 x cp 2 x tp 2 (loss parallel) on packed documents, and the recipes' parity in the same
+    launch (docs/recipes.md): the z-loss, with the loss in chunks of 10 tokens (the reference takes
+    it whole), its value matching at every step too; a batch warm-up, 4 samples (one run of the
+    schedule per step) until step 3, then 8 (two runs)."""
+    docs = [*BASE, "--data.document_mask", "true", "--training.z_loss", "1e-3", "--training.batch_warmup", "4:3"]
+    ref = reference([*docs, "--training.local_batch_size", "4"])
+    run = train(8, [*docs, *pp(2, CP_SCHEDULE, 2, 4), "--parallelism.context_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2"],
+                env={"TITANLITE_TEST_HOOK": f"chunk_bytes={4 * 256 * 10}"}, module="tests.ckpt_hooks")
+    assert_matches(ref, run)
+    assert "warm-up steps 1-3: 4 x 64 tokens, 1 micro-batch(es) of 4 per rank" in run.output
+    assert min(r["z_loss"] for r in ref.metrics) > 1e-2  # 1e-3 x logsumexp^2, logsumexp near log(512)
+    assert_parity([r["z_loss"] for r in ref.metrics], [r["z_loss"] for r in run.metrics])
 
 
 def test_pp2_qwen3_tied_embeddings():

@@ -1,5 +1,5 @@
 """The training loss: summed token cross-entropy, optionally on vocab-sharded logits, and
-optionally compiled, in chunks of tokens at long context."""
+optionally compiled, in chunks of tokens at long context; optionally with a z-loss (`ZLoss`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -17,8 +18,11 @@ from torch.utils.checkpoint import checkpoint
 from titanlite.config.job import Compile
 
 IGNORE_INDEX = -100
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(logits, labels) -> the summed token loss."""
+LossFn = Callable[..., torch.Tensor]
+"""(logits, labels, extra=None) -> the summed token loss; `extra`: the step's ExtraLosses inside a
+training step (where a loss adds its own terms, as the z-loss does), None outside one."""
+Z_LOSS = "z_loss"
+"""The z-loss's name among a step's extra losses (metrics.jsonl `z_loss`, TensorBoard loss/z)."""
 CHUNK_BYTES = 1 << 28
 """The float32 logits (this rank's vocabulary shard) the loss holds for one chunk of tokens."""
 
@@ -32,39 +36,116 @@ def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
 
 
-def chunked(token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-            ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def chunked(token_loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> LossFn:
     """Sum `token_loss_sum` over chunks of at most CHUNK_BYTES of float32 logits, each chunk
     recomputed in backward. Whole, the loss keeps the float32 log-softmax of every token for
     backward and its gradient at once (2 x 7.8 GiB for Llama 3's vocabulary at 16,384 tokens
     per rank); chunked, it keeps only the logits it was given and one chunk's float32 at a time.
+    A `token_loss_sum` that returns a tuple of sums is summed term by term.
 
     Under loss parallel, the logits are a DTensor sharded on vocab; each rank reduces its
     shard and the result is the same (replicated) sum on every tensor-parallel rank."""
-    def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_sum(logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
+        # extra: unused; a plain token loss adds no term of its own
         flat, targets = logits.flatten(0, 1), labels.flatten()
         vocab = (flat.to_local() if isinstance(flat, DTensor) else flat).shape[-1]
         rows = max(1, CHUNK_BYTES // (4 * vocab))
         if rows >= len(targets):
             loss = token_loss_sum(flat, targets)
         else:
-            loss = sum(checkpoint(token_loss_sum, x, y, use_reentrant=False)
-                       for x, y in zip(flat.split(rows), targets.split(rows)))
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+            parts = [checkpoint(token_loss_sum, x, y, use_reentrant=False)
+                     for x, y in zip(flat.split(rows), targets.split(rows))]
+            loss = tuple(map(sum, zip(*parts))) if isinstance(parts[0], tuple) else sum(parts)
+        if isinstance(loss, tuple):
+            return tuple(_plain(x) for x in loss)
+        return _plain(loss)
 
     return loss_sum
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 cross_entropy_sum = chunked(_token_loss_sum)
 """Sum of the per-token losses over targets that are not IGNORE_INDEX, as a plain tensor."""
 
 
-def build_loss_fn(cfg: Compile, loss_parallel: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+class _LogSumExpOverShards(torch.autograd.Function):
+    """logsumexp over the last dimension of vocab-sharded logits: each rank's shard, its max and
+    its sum of exponentials all-reduced over `group`. Backward is softmax on this rank's shard,
+    with no collective: every rank of the group holds the same (replicated) result downstream."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        peak = local.amax(-1)
+        dist.all_reduce(peak, dist.ReduceOp.MAX, group=group)
+        total = (local - peak[..., None]).exp().sum(-1)
+        dist.all_reduce(total, group=group)
+        lse = peak + total.log()
+        ctx.save_for_backward(local, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        local, lse = ctx.saved_tensors
+        return grad[..., None] * (local - lse[..., None]).exp(), None
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the vocabulary (the last dimension), a plain tensor; of DTensor logits
+    (loss parallel: sharded on vocab over one mesh dimension) without gathering them."""
+    if not isinstance(x, DTensor):
+        return torch.logsumexp(x, -1)
+    dim = next(i for i, p in enumerate(x.placements) if p.is_shard() and p.dim % x.ndim == x.ndim - 1)
+    return _LogSumExpOverShards.apply(x.to_local(), x.device_mesh.get_group(dim))
+
+
+def _ce_and_lse_sq_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed token cross-entropy, and the sum of logsumexp(logits)^2 over the same targets."""
+    x = logits.float()
+    ce = F.cross_entropy(x, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+    lse = torch.where(labels != IGNORE_INDEX, _logsumexp(x), 0.0)
+    return ce, lse.square().sum()
+
+
+@dataclass(frozen=True)
+class ZLoss:
+    """Cross-entropy plus the z-loss `weight x logsumexp(logits)^2` of each target token (PaLM;
+    OLMo 2), which keeps the softmax normaliser near 1. In a training step the term joins the
+    step's extra losses (`Z_LOSS`): divided by the global target count like the cross-entropy,
+    its gradient added in backward, its sum returned apart for logging. The returned value is the
+    cross-entropy alone, as is the loss outside a step (validation)."""
+
+    weight: float
+    terms: LossFn
+    """chunked(cross-entropy and logsumexp^2 sums), compiled or not."""
+    cross_entropy: LossFn
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
+        if extra is None or extra.scale is None or not torch.is_grad_enabled():
+            return self.cross_entropy(logits, labels)
+        ce, lse_sq = self.terms(logits, labels)
+        return extra.add(ce, Z_LOSS, self.weight * lse_sq)
+
+
+def build_loss_fn(cfg: Compile, loss_parallel: bool, z_loss: float = 0.0) -> LossFn:
     """cross_entropy_sum, each chunk compiled when compile.components has "loss". Under loss
-    parallel it stays eager: its DTensor cross-entropy runs inside the loss_parallel() context."""
-    if cfg.enable and "loss" in cfg.components and not loss_parallel:
-        return chunked(torch.compile(_token_loss_sum, fullgraph=True))
-    return cross_entropy_sum
+    parallel it stays eager: its DTensor cross-entropy runs inside the loss_parallel() context.
+    With `z_loss` > 0 (training.z_loss), a ZLoss of that weight; at 0 the plain loss, unchanged."""
+    compiled = cfg.enable and "loss" in cfg.components and not loss_parallel
+    ce = chunked(torch.compile(_token_loss_sum, fullgraph=True)) if compiled else cross_entropy_sum
+    if not z_loss:
+        return ce
+    return ZLoss(z_loss, chunked(torch.compile(_ce_and_lse_sq_sums, fullgraph=True) if compiled
+                                 else _ce_and_lse_sq_sums), ce)
+
+
+def logged_terms(names: tuple[str, ...], tp_replicated: tuple[str, ...], z_loss: float
+                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The extra loss terms a run logs (a model's `names`, those of them tensor-parallel ranks hold
+    alike), and with a z-loss its term, which every tensor-parallel rank holds alike."""
+    return ((*names, Z_LOSS), (*tp_replicated, Z_LOSS)) if z_loss else (names, tp_replicated)
 
 
 # ---- extra loss terms that a model adds (e.g. MoE load balancing) ----------------------

@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ TB_TAGS = {"loss": "loss/train", "grad_norm": "train/grad_norm", "lr": "train/lr
            "skipped_steps": "train/skipped_steps", "spike_steps": "train/spike_steps",
            "straggler_ratio": "perf/straggler_ratio", "straggler_rank": "perf/straggler_rank",
            "epoch": "data/epoch", "chats_truncated": "data/chats_truncated", "chats_dropped": "data/chats_dropped",
-           "moe_aux_loss": "moe/aux_loss",
+           "z_loss": "loss/z", "moe_aux_loss": "moe/aux_loss",
            "moe_load_max_over_mean_worst": "moe/tokens_per_expert_max_over_mean_worst_layer",
            "moe_load_max_over_mean_avg": "moe/tokens_per_expert_max_over_mean_avg_layers",
            "moe_router_bias_norm": "moe/router_bias_norm"}
@@ -115,9 +116,11 @@ class Throughput:
     """Tokens per second per device and MFU since the last logged step, and the time left."""
 
     def __init__(self, start_step: int, final_step: int, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float | None, world_size: int):
+                 peak_flops: float | None, world_size: int, tokens_after: Callable[[int], int] | None = None):
+        """`tokens_after(step)`: the tokens steps 1..step read, if not step x tokens_per_step (a warm-up)."""
         self.start_step, self.final_step = start_step, final_step
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.tokens_after = tokens_after or (lambda step: step * tokens_per_step)
+        self.flops_per_token = flops_per_token
         self.peak_flops, self.world_size = peak_flops, world_size
         self.start = self.last = time.perf_counter()
         self.last_step = start_step
@@ -125,7 +128,8 @@ class Throughput:
     def __call__(self, step: int) -> tuple[dict[str, float | None], float]:
         """({tokens_per_sec, mfu_pct}, eta in seconds) at `step`, which becomes the last logged."""
         now = time.perf_counter()
-        tokens_per_sec = (step - self.last_step) * self.tokens_per_step / (now - self.last) / self.world_size
+        tokens = self.tokens_after(step) - self.tokens_after(self.last_step)
+        tokens_per_sec = tokens / (now - self.last) / self.world_size
         mfu = None if self.peak_flops is None else 100 * tokens_per_sec * self.flops_per_token / self.peak_flops
         eta = (now - self.start) / (step - self.start_step) * (self.final_step - step)
         self.last, self.last_step = now, step

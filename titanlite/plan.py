@@ -11,7 +11,9 @@ matmul rate, the schedule's bubble, tensor parallel's collectives at link speed)
 cannot fit are dropped; the rest are dry-run (titanlite.dryrun) best bound first, until the next
 bound, scaled by the best ratio of prediction to bound seen so far, cannot reach the K-th best
 layout that fits with a margin, or T layouts have been traced (default 8). The search is bounded by
-work, not time, so the same command gives the same layouts on any machine, however busy.
+work, not time, so the same command gives the same layouts on any machine, however busy. With a
+batch-size or sequence-length warm-up the global batch is the final one (the largest memory), and
+the best layout's earlier phases are traced for their step times (titanlite.dryrun.phases).
 docs/scaling.md, "The planner".
 """
 
@@ -28,6 +30,7 @@ from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.preflight import Plan, make_plan
 from titanlite.dryrun import hardware, timing
+from titanlite.dryrun.phases import phase_times
 from titanlite.dryrun.run import dry_config, dry_run, report, split_flags
 from titanlite.errors import ConfigError
 
@@ -234,6 +237,10 @@ def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8
                           "parallelism": dataclasses.asdict(lay), "peak_gib": peak / hardware.GIB,
                           "predicted": {"tokens_per_sec_per_gpu": tps, "mfu_pct": rep["predicted"]["mfu_pct"]}})
     found.sort(key=lambda r: -r["predicted"]["tokens_per_sec_per_gpu"])
+    if found:  # a warm-up's earlier phases on the best layout (its memory, planned above, is the last phase's)
+        job, _ = config_load.load([*argv, *found[0]["overrides"]])
+        found[0]["phases"] = phase_times(job, make_plan(dry_config(job), ngpu), ngpu,
+                                         lambda j, n: report(dry_run(j, n), gpu))
     return {"layouts": found[:top], "gpu": gpu.name, "world_size": ngpu, "memory_limit_gib": limit / hardware.GIB,
             "searched": {"layouts": len(cands), "fit_by_bound": len(fits), "traced": traced,
                          "ruled_out_after_tracing": skipped, "stopped": stop,
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         p = r["predicted"]
         print(f"{i}. {r['describe']}: {p['tokens_per_sec_per_gpu']:,.1f} tokens/s/GPU, MFU {p['mfu_pct']:.1f}%, "
               f"peak {r['peak_gib']:.1f} GiB\n   {' '.join(r['overrides'])}")
+        for phase in r.get("phases", ()):
+            print(f"   warm-up {phase['describe']}: step {phase['step_s']:.3f} s")
     if opts["out"]:
         with open(opts["out"], "w") as f:
             json.dump(result, f, indent=1)

@@ -18,7 +18,9 @@ from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, m
 from titanlite.checkpoint.lora import plan_lora
 from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
+from titanlite.data import schedule as data_schedule
 from titanlite.data.loader import probe_data
+from titanlite.data.schedule import DataSchedule
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import check_hf_config, fresh_names, read_safetensors
 from titanlite.model_spec import ModelSpec, get_model_spec, model_args
@@ -50,6 +52,8 @@ class Plan:
     """The pipeline stages (None without pipelining)."""
     lora: LoRASetup | None = None
     """The LoRA adapters' targets and settings (None: every weight trains)."""
+    schedule: DataSchedule | None = None
+    """What each step reads, in which shape (batch-size and sequence-length warm-up)."""
 
 
 def preflight(cfg: JobConfig, world_size: int) -> Plan:
@@ -61,7 +65,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
                    t.local_batch_size, plan.dims.dp)
     if cfg.fault_tolerance.enable:
-        check_split(cfg.fault_tolerance, plan.global_batch_size, t.local_batch_size, plan.dims.dp)
+        check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
     return plan
 
 
@@ -112,7 +116,9 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
                           f"{cfg.optimizer.muon_groups} (Muon reads titanlite's block layouts: layers.<i>.attention, "
                           "feed_forward, experts); use AdamW")
     stages = check_pipeline(cfg, dims, spec, model) if dims.pp > 1 else None
-    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages, lora)
+    sp = dims.tp * dims.cp if cfg.parallelism.sequence_parallel else 1  # what sequence parallel splits
+    schedule = data_schedule.build(t, gbs, dims.dp, dims.cp, sp, dims.pp > 1, cfg.data.streaming)
+    return Plan(dims, spec, args, tokenizer, gbs, sum(p.numel() for p in model.parameters()), stages, lora, schedule)
 
 
 def check_pipeline(cfg: JobConfig, dims: ParallelDims, spec: ModelSpec, model: nn.Module) -> StagePlan:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import IGNORE_INDEX, ExtraLosses, loss_context
+from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, loss_context
 
 Batch = dict[str, torch.Tensor]
 
@@ -51,7 +51,7 @@ class PlainStep:
     """Each micro-batch through the whole model: forward, loss, backward, in turn."""
 
     model: nn.Module
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: LossFn
     loss_parallel: bool
     attn: AttnSetup
     """The model's attention setup (backend, windows, cp), which makes each batch's context."""
@@ -67,13 +67,13 @@ class PlainStep:
     def __post_init__(self) -> None:
         self.extra.bind([self.model])
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+    def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
         ids = batch["input_ids"]
         ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
                                 device=ids.device)
         with self.autocast:
             logits = self.model(batch["input_ids"], ctx)
-        return self.loss_fn(logits, batch["labels"])
+        return self.loss_fn(logits, batch["labels"], extra)
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)
@@ -84,7 +84,7 @@ class PlainStep:
             for batch in batches:
                 # loss parallel must cover the backward too
                 with loss_context(self.loss_parallel):
-                    loss = self._loss_sum(batch)
+                    loss = self._loss_sum(batch, self.extra)
                     (loss / n_targets).backward()
                 loss_sum += loss.detach()
         return StepOutput(loss_sum, n_targets, extra)

@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
+from titanlite.checkpoint.merge import ModelMerge
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import build_dataloader, ignored_keys_note
@@ -32,7 +33,7 @@ from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import LossFn, build_loss_fn
+from titanlite.loss import LossFn, build_loss_fn, logged_terms
 from titanlite.loop import Referee, StepResult, Update, Verdict, one_step
 from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
     reduce_losses
@@ -136,18 +137,20 @@ class StepLog:
     """What the data set counts (titanlite.data.packing.data_counts)."""
     spikes: bool
     """training.on_spike is on: the row counts spike_steps."""
+    z_loss: float
+    """training.z_loss: the row logs loss/z when it is on."""
 
     def __call__(self, step: int, result: StepResult, lr: float) -> None:
         self.guard.phase("logging")
         verdict, out = self.guard.verdict, result.out
         verdict.flush()
-        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, self.plan.spec.extra_losses,
-                               self.plan.spec.tp_replicated_losses, self.once)
+        spec = self.plan.spec
+        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets,
+                               *logged_terms(spec.extra_losses, spec.tp_replicated_losses, self.z_loss), self.once)
         speed, eta = self.throughput(step)
-        gbs = self.plan.global_batch_size
         self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                 "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
-                                "epoch": self.epoch_of((step - 1) * gbs) if self.epoch_of else None, **self.data,
+                                "epoch": self.epoch_of(self.plan.schedule.samples_before(step)) if self.epoch_of else None, **self.data,
                                 **losses, **{k: float(v) for k, v in result.scalars.items()},
                                 **({"spike_steps": verdict.spikes} if self.spikes else {}),
                                 **({} if self.stragglers is None else self.stragglers.report(step, self.guard.own_s))},
@@ -183,14 +186,13 @@ class GuardReferee(Referee):
         return Verdict(bad, self.guard.verdict.skip, bad if self.fused else None)
 
 
-def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, global_batch_size: int,
-              rank: int, streak: list[int]) -> int:
+def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, rank: int, streak: list[int]) -> int:
     """PaLM's recipe for a run of spikes (`streak`, its steps): back to the newest checkpoint,
     the spiking steps' data skipped from then on (recorded in the checkpoint), the verdicts'
     counts kept (the spikes happened). Returns the step it resumes after."""
     first, last, n = streak[0], streak[-1], len(streak)
-    sampler = loader.batch_sampler  # the global batch each step read, ranges skipped before counted
-    start, end = sampler.read_batch(first - 1) * global_batch_size, (sampler.read_batch(last - 1) + 1) * global_batch_size
+    sampler = loader.batch_sampler  # the samples each step read, ranges skipped before counted
+    start, end = sampler.sample_range(first, last)
     guard.phase("checkpoint save")  # loading takes a save's time
     if not ckpt.candidates():
         raise RunError(f"step {last}: {n} spikes in a row and no checkpoint to go back to yet (training.on_spike = "
@@ -220,9 +222,10 @@ def start_process(cfg: JobConfig) -> torch.device:
 
 def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optimizers, loader, meshes: Meshes,
                        device: torch.device) -> tuple[CheckpointManager, SpikeWindow | None, Counts]:
-    """The checkpoint manager, and what it saves and restores for the fault guard: the spike
-    window (training.on_spike) and the step verdicts' counts, so that a resumed run judges and
-    counts its steps as an uninterrupted one would."""
+    """The checkpoint manager, and what it saves and restores for the fault guard and the
+    in-run merge: the spike window (training.on_spike), the step verdicts' counts and the
+    running sum of checkpoint.merge_last, so that a resumed run judges, counts and merges as an
+    uninterrupted one would."""
     t = cfg.training
     ckpt = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, parts=parts, optimizers=optimizers,
                              loader=loader, data=cfg.data, seq_len=t.seq_len,
@@ -235,6 +238,8 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
     if window is not None:
         ckpt.optional["spike_window"] = window
     ckpt.optional["guard"] = counts = Counts()
+    if cfg.checkpoint.merge_last:  # the running sum of the weights it averages at each scheduled save
+        ckpt.optional["merge"] = ModelMerge(parts, cfg.checkpoint, t.steps)
     return ckpt, window, counts
 
 
@@ -263,6 +268,8 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
                   f"{plan.lora.trained / 1e6:.3g}M parameters train, {plan.lora.frozen / 1e6:.3g}M are frozen", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
+        for phase in plan.schedule.phases if plan.schedule.warms_up else ():
+            print(f"titanlite: warm-up {phase.describe()}", flush=True)
         if note := ignored_keys_note(cfg.data):
             print(note, file=sys.stderr, flush=True)
         for note in data_notes(loader.dataset):
@@ -281,7 +288,7 @@ def open_metrics(cfg: JobConfig, plan: Plan, device: torch.device, start_step: i
         restarted.record(cfg.job.dump_folder, start_step, metrics.writer)
     throughput = Throughput(start_step, t.steps, plan.global_batch_size * t.seq_len,
                             plan.spec.flops_per_token(plan.args, t.seq_len), device_peak_flops(device),
-                            dist.get_world_size())
+                            dist.get_world_size(), lambda step: plan.schedule.samples_before(step + 1) * t.seq_len)
     stragglers = (Stragglers(cfg.metrics.straggler_ratio, cfg.metrics.straggler_logs, device)
                   if cfg.metrics.straggler_ratio > 0 else None)
     return metrics, throughput, stragglers
@@ -317,11 +324,11 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     for part in parts:  # the same values on every layout: f(seed, name, full shape)
         init.materialize(part, device, t.seed)
         part.train()
-    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype)
+    optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype, plan.schedule.lr_scale)
     dp_rank = meshes.dp.get_local_rank()
     loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
-                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp)
-    accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
+                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
+                              schedule=plan.schedule)
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
@@ -334,7 +341,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
-                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel)), ft)
+                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
@@ -352,7 +359,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
     epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
-                  window is not None)
+                  window is not None, t.z_loss)
 
     step = start_step
     while step < t.steps:
@@ -361,7 +368,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         guard.start_step(step)
         profiler.step_begin(step)
         lr = optimizers.lr
-        batches = [next(data_iter) for _ in range(accum)] if ft is None else ft.batches(step)
+        batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)
         if result is None:  # replica groups: a group left or failed mid-step; the same batch again
             optimizers.zero_grad()
@@ -374,7 +381,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if t.on_spike == "rollback" and len(verdict.streak) >= t.spike_rollback_after:
             streak = list(verdict.streak)
             log(step, result, lr)  # the streak's last step too, read and recorded, then marked superseded
-            step = roll_back(ckpt, guard, loader, plan.global_batch_size, rank, verdict.streak or streak)
+            step = roll_back(ckpt, guard, loader, rank, verdict.streak or streak)
             metrics.rewind(step)
             data_iter = iter(loader)
             throughput.last, throughput.last_step = time.perf_counter(), step

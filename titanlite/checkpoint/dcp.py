@@ -222,7 +222,7 @@ class CheckpointManager:
         self.train_state = TrainState()
         self.data = DataState(loader, data, seq_len, global_batch_size)
         self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
-        self.tokens_per_step = global_batch_size * seq_len
+        self.seq_len = seq_len
         self.states = {"model": ModelState(parts, trained if self.frozen else None), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
                        "train_state": self.train_state, "rng": RngState(torch.cuda.is_available())}
@@ -385,18 +385,19 @@ class CheckpointManager:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == self.final_step)
 
     def maybe_save(self, step: int, force: bool = False) -> None:
-        """Call after every optimizer step; saves when `step` is due (and always the final step),
-        or when forced (a stop signal)."""
+        """Call after every optimizer step; saves when `step` is due (always the final step) or `force`d (a stop)."""
         self._finish_pending(block=False)
         if step == self.final_step and self.transformed is not None and self.transformed.final is not None:
             self.transformed.final(self.parts)
         if not self.cfg.enable:
             return
         self.train_state.step = step
-        done = step - self._loaded_step
-        self.train_state.tokens_seen = self._loaded_tokens + done * self.tokens_per_step
-        self.data.samples_seen = self._loaded_samples + done * self.data.global_batch_size
+        done = self.data.samples_read(self._loaded_step, step)  # a warm-up's steps read fewer
+        self.train_state.tokens_seen = self._loaded_tokens + done * self.seq_len
+        self.data.samples_seen = self._loaded_samples + done
         self.states |= {k: v for k, v in self.optional.items() if v}  # other checkpoints stay as they were
+        if merge := self.optional.get("merge"):  # checkpoint.merge_last (titanlite.checkpoint.merge)
+            merge.add(step)
         if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:
@@ -407,6 +408,8 @@ class CheckpointManager:
         tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
         info = self._info(step, model_only=False)
         try:
+            if self.due(step) and (merge := self.optional.get("merge")):  # the window's average, saved inside
+                merge.write(tmp / "merged", self._info(step, model_only=True))
             if self.stager is not None:
                 handle = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self.pg,
                                         async_stager=self.stager)
@@ -420,8 +423,7 @@ class CheckpointManager:
             self._save_failed(tmp, final, e)
 
     def _save_failed(self, tmp: Path, final: Path, e: BaseException) -> None:
-        """Drop the partial save; stop or warn per checkpoint.on_save_error. DCP reports a failed
-        write on every rank, so all ranks take the same branch."""
+        """Drop the partial save; stop or warn per checkpoint.on_save_error (DCP fails a write on every rank)."""
         reason = _reason(e)
         with contextlib.suppress(OSError):
             reason += f"; {shutil.disk_usage(self.root).free / 2**20:.0f} MiB free in {self.root}"
@@ -429,8 +431,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         done = [int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)]
         previous = f"{self.root}/step-{max(done)}" if done else "(none yet)"
-        msg = (f"checkpoint: saving {final} failed ({reason}); the previous checkpoint {previous} is "
-               "intact")
+        msg = f"checkpoint: saving {final} failed ({reason}); the previous checkpoint {previous} is intact"
         if self.cfg.on_save_error == "stop":
             raise RunError(f"{msg}; stopping (checkpoint.on_save_error = stop). Free space or fix "
                            "job.dump_folder, then restart to resume")
@@ -454,8 +455,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         if not self.cfg.keep_latest_k:
             return
-        steps = sorted((int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)),
-                       reverse=True)
+        steps = sorted((int(p.name[5:]) for p in self.root.glob("step-*") if _STEP_DIR.fullmatch(p.name)), reverse=True)
         for step in steps[self.cfg.keep_latest_k:]:
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 

@@ -124,13 +124,23 @@ class DataState:
 
     def __init__(self, loader: StatefulDataLoader, cfg: Data, seq_len: int, global_batch_size: int) -> None:
         self.loader, self.global_batch_size = loader, global_batch_size
+        streamed = getattr(loader, "batch_sampler", None) is None
+        # what each step reads: a warm-up's phases, else global_batch_size samples
+        self.schedule = None if streamed else loader.batch_sampler.schedule
         # every data setting but the worker count shapes the global sample order; skipped
         # ranges are kept apart (SkippedSamples), so a run may add some and resume
         order = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("num_workers", "skip_samples")}
+        if self.schedule is not None and self.schedule.warms_up:  # which samples each step reads
+            order["warmup"] = [[p.first_step, p.samples, p.seq_len] for p in self.schedule.phases]
         self.order = json.dumps({**order, "seq_len": seq_len}, sort_keys=True)
         self.samples_seen = 0
-        streamed = getattr(loader, "batch_sampler", None) is None
         self.stream_key = f"stream_{loader.dataset.layout}_rank{loader.dataset.dp_rank}" if streamed else None
+
+    def samples_read(self, after: int, step: int) -> int:
+        """The samples steps after + 1 .. step read."""
+        if self.schedule is None or not self.schedule.warms_up:
+            return (step - after) * self.global_batch_size
+        return self.schedule.samples_before(step + 1) - self.schedule.samples_before(after + 1)
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"samples_seen": self.samples_seen, "order": self.order}
@@ -159,18 +169,19 @@ class DataState:
             raise ConfigError(f"the checkpoint's data order differs in {', '.join(keys)} (saved "
                               f"{', '.join(f'{k}={saved.get(k, default.get(k))!r}' for k in keys)}); resuming would "
                               "repeat or skip samples. Restore those settings or start a new dump_folder")
-        if sd["samples_seen"] % self.global_batch_size:
-            raise ConfigError(f"the checkpoint consumed {sd['samples_seen']} samples, not a multiple of "
-                              f"training.global_batch_size {self.global_batch_size}; resuming would "
-                              "repeat or skip samples. Use a global batch size that divides it")
+        n, G = sd["samples_seen"], self.global_batch_size
+        warm = self.schedule is not None and self.schedule.warms_up  # its schedule is a part of the order
+        steps = self.schedule.steps_for(n) if warm else None if n % G else n // G
+        if steps is None:
+            raise ConfigError(f"the checkpoint consumed {n} samples, not a multiple of training.global_batch_size "
+                              f"{G}; resuming would repeat or skip samples. Use a global batch size that divides it")
         self.samples_seen = sd["samples_seen"]
         if self.stream_key:
             self.loader.load_state_dict(json.loads(sd[self.stream_key]))  # this rank's own position
             return
         # The sampler is the loader's only state and is kept in the main process, so setting
         # it before iter() resumes with or without workers.
-        global_batch = self.samples_seen // self.global_batch_size
-        self.loader.batch_sampler.load_state_dict({"global_batch": global_batch, "micro_batch": 0})
+        self.loader.batch_sampler.load_state_dict({"global_batch": steps, "micro_batch": 0})
 
 
 class SkippedSamples:

@@ -60,13 +60,36 @@ class Training:
     """Number of optimizer steps."""
     seq_len: int = 256
     """Tokens per sample."""
+    seq_warmup: list[str] = field(default_factory=list)
+    """Sequence-length warm-up: ["LEN:UNTIL", ...], sequences of LEN tokens until UNTIL (in
+    warmup_unit), then the next entry's, then seq_len; each length divides the next and seq_len.
+    A sample is read as seq_len / LEN rows of LEN tokens: the same tokens in the same order as
+    without warm-up, a shorter context (docs/recipes.md). Not with pipeline parallelism."""
+    seq_warmup_constant_tokens: bool = True
+    """With seq_warmup: keep a step's tokens (the rows grow as the sequence shrinks); false keeps
+    its rows (a shorter sequence reads fewer tokens per step)."""
     local_batch_size: int = 8
     """Samples per micro-batch on one data-parallel rank."""
     global_batch_size: int = -1
     """Samples per optimizer step over all ranks; -1 means local_batch_size x dp degree.
     A multiple of that product turns on gradient accumulation."""
+    batch_warmup: list[str] = field(default_factory=list)
+    """Batch-size warm-up: ["SIZE:UNTIL", ...], SIZE samples per step until UNTIL (in warmup_unit),
+    then the next entry's, then global_batch_size; each size divides the next (e.g. doubling). The
+    accumulation grows with the size (below local_batch_size x dp ranks, the local batch); the
+    samples read are, in order, those of a run at global_batch_size (docs/recipes.md)."""
+    batch_warmup_sqrt_lr: bool = False
+    """With batch_warmup: the learning rate x sqrt(the step's tokens / the final step's), so it grows
+    by sqrt(new / old) with the batch (Merrill et al. 2025); optimizer.lr is the final batch's."""
+    warmup_unit: str = "steps"
+    """What UNTIL counts in batch_warmup and seq_warmup: steps (an entry lasts through step UNTIL)
+    or tokens (an entry lasts while fewer than UNTIL tokens were trained on before the step)."""
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm; <= 0 disables clipping."""
+    z_loss: float = 0.0
+    """Weight of the z-loss, z_loss x logsumexp(logits)^2 averaged over the target tokens and added
+    to the training loss (PaLM, OLMo 2: 1e-5), logged apart as z_loss (TensorBoard loss/z; loss stays
+    the cross-entropy); 0 = off. docs/recipes.md."""
     seed: int = 0
     """Seed for weight init and dropout-free randomness."""
     deterministic: bool = False
@@ -202,6 +225,11 @@ class Checkpoint:
     """Checkpoint folder under job.dump_folder; each save is a step-N subfolder."""
     interval: int = 500
     """Save every N optimizer steps; the final step is always saved."""
+    merge_last: int = 0
+    """Checkpoint merging in the run: the fp32 average of the weights of the last N steps before each
+    scheduled save (every interval, and the final step), written in that checkpoint as
+    step-K/merged (a model-only checkpoint); the running sum, sharded like the weights, is saved in
+    each checkpoint. At most checkpoint.interval; 0 = off. docs/recipes.md."""
     keep_latest_k: int = 0
     """Keep only the newest K complete checkpoints (K exactly, a resume's included); 0 keeps all."""
     load_step: int = -1
@@ -479,6 +507,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": ("auto", "cpu", "cuda"),
     "training.on_nonfinite": ("stop", "skip"),
     "training.on_spike": ("off", "skip", "rollback"),
+    "training.warmup_unit": ("steps", "tokens"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.pipeline_parallel_schedule": ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                                                "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),

@@ -231,7 +231,7 @@ def check_config(cfg: JobConfig) -> None:
         if not 0.0 <= val < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {val}")
     for key, val in [("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay),
-                     ("model.vocab_size", cfg.model.vocab_size)]:
+                     ("model.vocab_size", cfg.model.vocab_size), ("training.z_loss", t.z_loss)]:
         if val < 0:
             raise ConfigError(f"{key} must be >= 0, got {val}")
     if cfg.data.num_workers < 0:
@@ -291,6 +291,9 @@ def check_config(cfg: JobConfig) -> None:
     if c.interval < 1 or c.keep_latest_k < 0 or c.load_step < -1:
         raise ConfigError(f"checkpoint: need interval >= 1 (got {c.interval}), keep_latest_k >= 0 "
                           f"(got {c.keep_latest_k}) and load_step >= -1 (got {c.load_step})")
+    if c.merge_last < 0 or c.merge_last > c.interval or (c.merge_last and not c.enable):
+        raise ConfigError(f"checkpoint.merge_last {c.merge_last}: need 0 (off) or 1 .. checkpoint.interval "
+                          f"({c.interval}) steps, and checkpoint.enable = true (the average is saved with the weights)")
     if c.load_step != -1 and not c.enable:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")

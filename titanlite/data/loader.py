@@ -25,6 +25,7 @@ from titanlite.config.job import Data, Validation
 from titanlite.config.load import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
 from titanlite.data.packing import ChatSamples, chat_samples
+from titanlite.data.schedule import DataSchedule
 from titanlite.data.sources import (is_token_folder, iter_records, probe_source, read_documents, source_name,
                                     unread_keys)
 from titanlite.data.tokenizer import Tokenizer
@@ -79,12 +80,15 @@ class TokenSamples(SampleOrder):
         super().__init__(max(0, len(stream.tokens) - 1) // seq_len, shuffle, seed, source)
         self.stream, self.seq_len, self.document_mask = stream, seq_len, document_mask
 
-    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        start = self.position(g) * self.seq_len
-        s = torch.from_numpy(np.asarray(self.stream.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+    def __getitem__(self, g: int | tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """Global sample g, or (g, length, k): its k-th piece of `length` tokens (a shorter
+        sequence in a warm-up, titanlite.data.schedule), a sample of its own."""
+        g, length, piece = g if isinstance(g, tuple) else (g, self.seq_len, 0)
+        start = self.position(g) * self.seq_len + piece * length
+        s = torch.from_numpy(np.asarray(self.stream.tokens[start:start + length + 1], dtype=np.int64))
         sample = {"input_ids": s[:-1], "labels": s[1:]}
         if self.document_mask:
-            sample.update(document_spans(self.stream.doc_starts, start, self.seq_len))
+            sample.update(document_spans(self.stream.doc_starts, start, length))
         return sample
 
 
@@ -129,9 +133,9 @@ class MixedSamples(Dataset):
         k = int(self.which[slot])
         return k, period * self.counts[k] + int(self.nth[slot])
 
-    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        k, j = self.locate(g)
-        return self.parts[k][j]
+    def __getitem__(self, g: int | tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        k, j = self.locate(g[0] if isinstance(g, tuple) else g)
+        return self.parts[k][(j, *g[1:]) if isinstance(g, tuple) else j]
 
     def epoch(self, g: int) -> int:
         """Passes completed by the most-repeated source before global sample g."""
@@ -141,68 +145,88 @@ class MixedSamples(Dataset):
 
 
 class GlobalBatchSampler:
-    """Infinite iterator of this rank's micro-batches (lists of global sample indices).
+    """Infinite iterator of this rank's micro-batches (lists of global sample indices; in a
+    sequence-length warm-up phase, (sample, length, piece) triples: titanlite.data.schedule).
 
-    Its state is a global cursor (next global batch, next micro-batch within this rank's
+    Step n (0-based) reads the `schedule`'s samples [samples_before(n + 1), samples_before(n + 2))
+    of the trained order, rank r its rows [r * R / D, (r + 1) * R / D) of the step's R, in
+    micro-batches. Its state is a global cursor (steps read, next micro-batch within this rank's
     share), which StatefulDataLoader saves and restores, with or without workers. At a step
     boundary (micro_batch == 0) the state means the same for any dp layout.
 
     `skip` holds sample ranges [start, end) never read (data.skip_samples, a spike rollback):
-    every global batch that overlaps one is passed over. The cursor counts the global batches
-    read, so a checkpoint's position means the same with the same ranges.
+    every global batch that overlaps one is passed over, the trained order going on after it. The
+    cursor counts what was read, so a checkpoint's position means the same with the same ranges.
+    In a warm-up, whose steps need not start on a multiple of the global batch, the configured
+    ranges are widened to whole global batches at the start and a rollback's (its steps' samples)
+    is skipped as it is: a range widened below a step already read would move what that step read.
     """
 
     def __init__(self, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 skip: tuple[tuple[int, int], ...] = ()) -> None:
-        self.global_batch_size, self.local_batch_size = global_batch_size, local_batch_size
+                 skip: tuple[tuple[int, int], ...] = (), schedule: DataSchedule | None = None) -> None:
+        self.schedule = schedule or DataSchedule.constant(global_batch_size, local_batch_size, dp_degree, 0)
+        G = self.global_batch_size = self.schedule.final.samples
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.accum = global_batch_size // (local_batch_size * dp_degree)
         self.global_batch, self.micro_batch = 0, 0
         self.skip: tuple[tuple[int, int], ...] = ()
-        self.set_skip(skip)
+        self.grid = 1 if self.schedule.warms_up else G  # what a range is widened to, when it is set
+        self.set_skip(tuple((a // G * G, -(-b // G) * G) for a, b in skip) if self.schedule.warms_up else skip)
 
     def set_skip(self, ranges: tuple[tuple[int, int], ...]) -> None:
-        """The sample ranges to pass over, as merged, sorted global-batch intervals [a, b)."""
+        """The sample ranges to pass over, as merged, sorted intervals [a, b)."""
         self.skip = tuple(sorted(set(ranges)))
-        G, merged = self.global_batch_size, []
-        for a, b in sorted((start // G, -(-end // G)) for start, end in self.skip):
+        grid, merged = self.grid, []
+        for a, b in sorted((start // grid * grid, -(-end // grid) * grid) for start, end in self.skip):
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
-        self._skip_batches = merged
+        self._skip_samples = merged
 
-    def read_batch(self, n: int) -> int:
-        """The global batch that the n-th one read is (ranges passed over)."""
-        for a, b in self._skip_batches:
+    def position(self, n: int) -> int:
+        """The global sample that the n-th one read is (ranges passed over)."""
+        for a, b in self._skip_samples:
             if n < a:
                 break
             n += b - a
         return n
 
-    def first_sample(self, n: int, part: int = 0, parts: int = 1) -> int:
-        """The first sample of this rank's rows of the n-th global batch read, the batch split into
-        `parts` equal shares (the replica groups of a quorum), this rank's group holding share `part`."""
-        share = self.global_batch_size // parts
-        return self.read_batch(n) * self.global_batch_size + part * share + self.dp_rank * (share // self.dp_degree)
+    def sample_range(self, first: int, last: int) -> tuple[int, int]:
+        """[start, end) of the global samples that steps first..last (the 1-based steps read) read."""
+        return (self.position(self.schedule.samples_before(first)),
+                self.position(self.schedule.samples_before(last + 1) - 1) + 1)
+
+    def micro_batches(self, n: int, part: int = 0, parts: int = 1) -> list[list]:
+        """This rank's micro-batches of the n-th step read (0-based), the step's rows split into
+        `parts` equal shares (the replica groups of a quorum), this rank's group holding `part`."""
+        p = self.schedule.phase(n + 1)
+        share = p.samples * p.pieces // parts
+        rows = share // self.dp_degree
+        first = part * share + self.dp_rank * rows
+        start = self.schedule.samples_before(n + 1)
+        def item(j: int):  # row j of the step
+            sample = self.position(start + j // p.pieces)
+            return sample if p.pieces == 1 else (sample, p.seq_len, j % p.pieces)
+        return [[item(j) for j in range(a, a + p.rows)] for a in range(first, first + rows, p.rows)]
 
     def __iter__(self) -> GlobalBatchSampler:
         return self
 
-    def __next__(self) -> list[int]:
-        first = self.first_sample(self.global_batch) + self.micro_batch * self.local_batch_size
+    def __next__(self) -> list:
+        mine = self.micro_batches(self.global_batch)[self.micro_batch]
         self.micro_batch += 1
-        if self.micro_batch == self.accum:
+        if self.micro_batch == self.schedule.phase(self.global_batch + 1).micro_batches:
             self.global_batch, self.micro_batch = self.global_batch + 1, 0
-        return list(range(first, first + self.local_batch_size))
+        return mine
 
     def state_dict(self) -> dict[str, int]:
         return {"global_batch": self.global_batch, "micro_batch": self.micro_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if not 0 <= state["micro_batch"] < self.accum:
+        accum = self.schedule.phase(state["global_batch"] + 1).micro_batches
+        if not 0 <= state["micro_batch"] < accum:
             raise ValueError(f"data loader state has micro_batch {state['micro_batch']}, but this "
-                             f"layout takes {self.accum} micro-batches per step")
+                             f"layout takes {accum} micro-batches per step")
         self.global_batch, self.micro_batch = state["global_batch"], state["micro_batch"]
 
 
@@ -281,12 +305,13 @@ def ignored_keys_note(data: Data) -> str | None:
 
 
 def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int,
-                     local_batch_size: int, dp_rank: int, dp_degree: int, split: str = "train"
-                     ) -> StatefulDataLoader:
+                     local_batch_size: int, dp_rank: int, dp_degree: int, split: str = "train",
+                     schedule: DataSchedule | None = None) -> StatefulDataLoader:
     """Infinite loader of this dp rank's micro-batches: {"input_ids", "labels"}, each a
     LongTensor [local_batch_size, seq_len], and with data.document_mask also
     {"document_ids", "positions"} of the input tokens (see `document_spans`; chats: packing.py). The
-    trainer takes global_batch_size // (local_batch_size * dp_degree) of them per optimizer step.
+    trainer takes global_batch_size // (local_batch_size * dp_degree) of them per optimizer step, or in
+    a warm-up what `schedule` says (titanlite.data.schedule, read by the loader's batch_sampler).
     `loader.dataset.epoch(g)` is the epoch count at global sample g."""
     G, L, D = global_batch_size, local_batch_size, dp_degree
     if G < 1 or L < 1 or D < 1 or G % (L * D):
@@ -309,7 +334,8 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         # Its own generator: iter() would otherwise draw worker seeds from the global RNG,
         # which a resumed run (one more iter() call) could then not reproduce bitwise.
-        sampler = GlobalBatchSampler(G, L, dp_rank, D, parse_ranges(cfg.skip_samples) if split == "train" else ())
+        sampler = GlobalBatchSampler(G, L, dp_rank, D, parse_ranges(cfg.skip_samples) if split == "train" else (),
+                                     schedule)
         return StatefulDataLoader(dataset, batch_sampler=sampler,
                                   num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
                                   generator=torch.Generator().manual_seed(max(cfg.seed, 0)))

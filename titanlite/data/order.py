@@ -5,6 +5,7 @@ when shuffling. A pure function of g, so any layout reads the same samples for a
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 
@@ -32,3 +33,16 @@ class SampleOrder(Dataset):
     def epoch(self, g: int) -> int:
         """Passes over the data completed before global sample g."""
         return g // self.num_samples
+
+
+def row_of(sample: dict[str, torch.Tensor], length: int, k: int) -> dict[str, torch.Tensor]:
+    """The k-th row of `length` tokens of a sample, read as a sample of its own (a sequence-length
+    warm-up: titanlite.data.schedule): its tokens and labels, and with documents their ids from 0
+    and positions from 0 for a document begun before the row (the part a row holds is all that
+    attends), as titanlite.data.loader.document_spans gives a sample."""
+    row = {key: v[k * length:(k + 1) * length] for key, v in sample.items()}
+    if "document_ids" in row:
+        docs, positions = row["document_ids"], row["positions"]
+        row["positions"] = torch.where(docs == docs[0], positions - positions[0], positions)
+        row["document_ids"] = docs - docs[0]
+    return row

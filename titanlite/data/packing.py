@@ -25,7 +25,7 @@ import torch
 from titanlite.config.job import Data
 from titanlite.data.chat import Chat, render_chats
 from titanlite.data.chat_set import stdlib_chats
-from titanlite.data.order import SampleOrder
+from titanlite.data.order import SampleOrder, row_of
 from titanlite.data.sources import iter_records, source_name
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import ConfigError
@@ -96,7 +96,9 @@ class ChatSamples(SampleOrder):
         self.filled = positions / max(1, len(self.rows) * seq_len)
         self.supervised = sum(int(t[1:].sum()) for _, t in kept) / max(1, positions)
 
-    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, g: int | tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        if isinstance(g, tuple):  # (g, length, k): a row of a sequence-length warm-up
+            return row_of(self[g[0]], *g[1:])
         L = self.seq_len
         ids, labels = np.full(L, self.pad_id, dtype=np.int64), np.full(L, IGNORE_INDEX, dtype=np.int64)
         docs, positions, at = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), 0

@@ -46,6 +46,7 @@ from titanlite.loss import build_loss_fn
 from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.dryrun.phases import phase_times
 from titanlite.dryrun.pptrace import skip_microbatches
 from titanlite.dryrun.standins import TracedReferee, fake_routing
 from titanlite.loop import Update, one_step
@@ -134,7 +135,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"),
-                          build_loss_fn(cfg.compile, opts.loss_parallel))
+                          build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -323,6 +324,8 @@ def print_table(rep: dict) -> None:
     if pred["replica_groups_s"]:
         print(f"  of which {pred['replica_groups_s']:.3f} s for the quorum and the gradients' all-reduce across "
               f"{cfg['replica_groups']} replica groups (this group's share of the global batch: 1/{cfg['replica_groups']})")
+    for phase in rep.get("phases", ()):
+        print(f"  warm-up {phase['describe']}: step {phase['step_s']:.3f} s, peak {phase['peak_gib']:.1f} GiB")
     other = "eager" if cfg["compile"] else "compiled"
     print(f"  the same step {other} (compile.enable {str(not cfg['compile']).lower()}): "
           f"{pred['tokens_per_sec_per_gpu_' + other]:,.0f} tokens/s/GPU")
@@ -444,7 +447,10 @@ def main(argv: list[str] | None = None) -> None:
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]), plan.n_params)
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
-        rep = report(dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full", False)), gpu)
+        result = dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full", False))
+        rep = report(result, gpu)  # a warm-up's memory is its last phase's; each earlier one's step time:
+        rep["phases"] = phase_times(cfg, result["_plan"], int(opts["ngpu"]),
+                                    lambda job, n: report(dry_run(job, n), gpu))
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ another pipeline layout. They step together; to the loop they are one optimizer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -75,9 +76,11 @@ def _muon(params: list[nn.Parameter], cfg: Optimizer, ns_dtype: torch.dtype) -> 
 
 
 def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRScheduler, total_steps: int,
-                     ns_dtype: torch.dtype = torch.float32) -> Optimizers:
-    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU). The
-    optimizers hold the parameters that require grad, and only those: a frozen weight (LoRA's
+                     ns_dtype: torch.dtype = torch.float32,
+                     lr_scale: Callable[[int], float] | None = None) -> Optimizers:
+    """`ns_dtype`: Muon's Newton-Schulz dtype (the parameters' compute dtype: bfloat16 on GPU);
+    `lr_scale`: a factor on the schedule's learning rate by (0-based) step (a batch-size warm-up's).
+    The optimizers hold the parameters that require grad, and only those: a frozen weight (LoRA's
     base) has no state, no weight decay and no update."""
     owners, opts = [], []
     for part in parts:
@@ -92,7 +95,7 @@ def build_optimizers(parts: list[nn.Module], cfg: Optimizer, schedule: LRSchedul
     if not opts:
         raise ConfigError("this rank's part of the model has no parameter to train (every one is frozen); with "
                           "pipeline stages, give each stage a LoRA target (lora.target_modules)")
-    return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps) for opt in opts])
+    return Optimizers(owners, opts, [build_lr_scheduler(opt, schedule, total_steps, lr_scale) for opt in opts])
 
 
 def warmup_steps(cfg: LRScheduler, total_steps: int) -> int:
@@ -126,5 +129,8 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     return cfg.min_lr_factor + (1 - cfg.min_lr_factor) * shape
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
-    return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+def build_lr_scheduler(opt: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int,
+                       scale: Callable[[int], float] | None = None) -> LambdaLR:
+    if scale is None:
+        return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps))
+    return LambdaLR(opt, lambda step: lr_factor(step, cfg, total_steps) * scale(step))

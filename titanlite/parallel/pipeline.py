@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Pipel
 from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
-from titanlite.loss import ExtraLosses, loss_context
+from titanlite.loss import ExtraLosses, LossFn, loss_context
 from titanlite.model_spec import Elsewhere, ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
@@ -224,7 +224,7 @@ class PipelineStep:
     plan: StagePlan
     schedule_name: str
     meshes: Meshes
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: LossFn
     opts: ParallelizeOptions
     attn: AttnSetup
     """The model's attention setup (backend, windows, cp), which makes each micro-batch's context."""
@@ -297,7 +297,7 @@ class PipelineStep:
         return cls(stages, n_microbatches=self.plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(logits, labels)
+        loss = self.loss_fn(logits, labels, self.extra)
         self._sums.append(loss.detach())
         return loss / self._n_targets
 

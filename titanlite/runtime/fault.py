@@ -25,7 +25,8 @@ NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the r
 `slowsave` holds the rank at the start of the step's checkpoint save for 2 s longer than
 comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
 SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
-SLOW_S in the rank's step from that step on, before its votes (a straggler). A fault fires once
+SLOW_S in the rank's step from that step on, before its votes (a straggler), `term` sends the
+rank SIGTERM at the start of the step (a preemption that lands in a known step). A fault fires once
 per run: not again in an attempt that torchrun restarted (titanlite.runtime.restart), nor after
 a spike rollback; with `/every` it fires once in every attempt (a fault that is the data's, not
 the machine's: fault_tolerance.rerun_on_nonfinite must find it again).
@@ -61,7 +62,7 @@ HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 HANG_EXIT_GRACE_S = 5.0
 
 
-FAULT_KINDS = ("nan", "hang", "kill", "slowsave", "spike", "slow")
+FAULT_KINDS = ("nan", "hang", "kill", "slowsave", "spike", "slow", "term")
 SPIKE_FACTOR = 1000.0
 SLOW_S = 0.5
 
@@ -268,6 +269,8 @@ class Guard:
         self.phase("compute")
         if self._injected("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._injected("term"):
+            os.kill(os.getpid(), signal.SIGTERM)
         if self._injected("hang"):
             threading.Event().wait()
 
@@ -320,12 +323,11 @@ class Guard:
             note_fired(_spec(fault))
         return fault is not None
 
-    def faulty_loss(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """`loss_fn`, non-finite in the training step that a `nan` fault names, SPIKE_FACTOR times
-        larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
-        def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            out = loss_fn(logits, labels)
+    def faulty_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn` (titanlite.loss.LossFn), non-finite in the training step that a `nan` fault names,
+        SPIKE_FACTOR times larger in one a `spike` fault names (validation, under no_grad, is left alone)."""
+        def loss(logits: torch.Tensor, labels: torch.Tensor, extra=None) -> torch.Tensor:
+            out = loss_fn(logits, labels, extra)
             if not torch.is_grad_enabled():
                 return out
             if self._injected("nan"):

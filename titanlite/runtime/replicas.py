@@ -40,14 +40,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def check_split(f: FaultTolerance, global_batch_size: int, local_batch_size: int, dp: int) -> None:
-    """Every quorum from min_replica_size to group_size groups splits the global batch into whole
-    micro-batches of the same count on each rank (FSDP runs one collective per micro-batch)."""
+def check_split(f: FaultTolerance, schedule: Any, dp: int) -> None:
+    """Every quorum from min_replica_size to group_size groups splits each step's rows (`schedule`:
+    titanlite.data.schedule.DataSchedule, a warm-up's phases too) into whole micro-batches of the
+    same count on each rank (FSDP runs one collective per micro-batch)."""
     for q in range(f.min_replica_size, f.group_size + 1):
-        if global_batch_size % (q * dp * local_batch_size):
-            raise ConfigError(f"training.global_batch_size {global_batch_size} does not split over a quorum of {q} "
-                              f"replica groups x {dp} data-parallel ranks x local_batch_size {local_batch_size}; make "
-                              f"it a multiple of each (or raise fault_tolerance.min_replica_size)")
+        for p in schedule.phases:
+            if p.samples * p.pieces % (q * dp * p.rows) == 0:
+                continue
+            if p is schedule.phases[-1]:
+                raise ConfigError(f"training.global_batch_size {p.samples} does not split over a quorum of {q} "
+                                  f"replica groups x {dp} data-parallel ranks x local_batch_size {p.rows}; make "
+                                  f"it a multiple of each (or raise fault_tolerance.min_replica_size)")
+            raise ConfigError(f"training.batch_warmup: steps {p.first_step}-{p.last_step} read {p.samples * p.pieces} "
+                              f"rows, which do not split over a quorum of {q} replica groups x {dp} data-parallel "
+                              f"ranks x {p.rows} rows per micro-batch; start the warm-up at a multiple of each (or "
+                              "raise fault_tolerance.min_replica_size)")
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
@@ -78,7 +86,7 @@ class Replicas:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        check_split(f, global_batch_size, local_batch_size, dp)
+        check_split(f, loader.batch_sampler.schedule, dp)
         self.parts, self.optimizers, self.loader, self.extra = parts, optimizers, loader, extra or {}
         self.global_batch_size, self.local_batch_size, self.dp = global_batch_size, local_batch_size, dp
         self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
@@ -133,10 +141,9 @@ class Replicas:
     def batches(self, step: int) -> list[Batch]:
         """This rank's micro-batches of global batch `step`: its group's share by quorum rank, then
         its own share within the group."""
-        L, rows = self.local_batch_size, self.global_batch_size // (self.size * self.dp)
-        first = self.loader.batch_sampler.first_sample(step - 1, self.rank, self.size)
         data = self.loader.dataset
-        return [default_collate([data[g] for g in range(start, start + L)]) for start in range(first, first + rows, L)]
+        return [default_collate([data[g] for g in rows])
+                for rows in self.loader.batch_sampler.micro_batches(step - 1, self.rank, self.size)]
 
     def count(self, n_targets: torch.Tensor) -> None:
         """The target-token count summed over the quorum, in place (the group's is summed already)."""
