@@ -155,8 +155,11 @@ def _assert_same_trace(a, b) -> None:
     assert a.flops == pytest.approx(b.flops, rel=1e-12)
     # the time terms, split into what each block adds and the rest, within 1e-6 of the step: an
     # op's share in a block's tensors (the optimizer's, say) is counted by the bytes it reads
-    for gpu, times in b.times.items():
-        assert dataclasses.asdict(a.times[gpu]) == pytest.approx(dataclasses.asdict(times), abs=1e-6 * times.step()), gpu
+    for gpu in hardware.GPUS.values():
+        for compiled in (False, True):
+            times = b.times(gpu, compiled)
+            assert dataclasses.asdict(a.times(gpu, compiled)) == pytest.approx(dataclasses.asdict(times),
+                                                                               abs=1e-6 * times.step()), gpu.name
 
 
 def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
@@ -177,7 +180,8 @@ def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
     replayed = dry_run(cfg, 8)["_roles"]
     every = dry_run(cfg, 8, full=True)["_roles"]
     assert [r.rank for r in replayed] == [0, 4]
-    assert [r.traced_blocks for r in replayed] == [4, 4] and [r.traced_blocks for r in every] == [5] * 2
+    # four blocks of each stage of 5-6 (its first two, one standing for the middle ones, its last)
+    assert [r.traced_blocks for r in replayed] == [16, 16] and [r.traced_blocks for r in every] == [22] * 2
     # 3 of 6 micro-batches skipped on each of a rank's two stages: their forward and backward
     # calls (and the last stage's loss) counted as copies
     assert [r.copied_calls for r in replayed] == [3 * 2 * 2, 3 * (2 * 2 + 1)]

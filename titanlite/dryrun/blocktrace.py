@@ -1,10 +1,14 @@
 """Trace a few blocks and replay the step as the model's depth would run it.
 
-Blocks are identical. Blocks 0 and 1 and the last differ from the others (FSDP gathers the
-first ahead of time; the last has no next block to prefetch), so the dry run builds each
-stage with a few blocks and lets block 2 (with `selective` layer AC, the whole period from
-block 2) stand for every block the real model has in between: the tracer replays what that
-block did once per such block (titanlite.dryrun.steptrace.StepTracer.result). What it did is:
+A model's blocks come in kinds (a hybrid stack's linear and full attention, DeepSeek-V3's dense
+and MoE blocks, gpt-oss's sliding and full windows): a block's kind is its structure (its
+modules, their shapes) and its attention window. Blocks 0 and 1 and the last of each stage
+differ from the others (FSDP gathers the first ahead of time; the last has no next block to
+prefetch), so the dry run builds each stage from a few of the real model's blocks (`select`):
+those three, and for every kind of block period in between (one block, or with `selective`
+layer AC a whole period of consecutive blocks) one that stands for every period of that kind
+the stage runs. The tracer replays what each such unit did once per period of its kind
+(titanlite.dryrun.steptrace.StepTracer.result). What a unit did is:
 
 - its forward and its backward, each from its mark to the next block's (the marks follow
   FSDP's hooks for a block: its unshard, the prefetch of the next one);
@@ -15,53 +19,143 @@ block did once per such block (titanlite.dryrun.steptrace.StepTracer.result). Wh
 - what it creates that the step frees outside every block's span, at once for all blocks
   (autocast's weight casts; bf16 weight gradients cast back at the end of a backward call).
 
-tests/test_dryrun.py checks the replay against a trace of every block.
+tests/test_dryrun.py checks the replay against a trace of every block, of one kind and of a
+hybrid stack.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
+from titanlite.dryrun.steptrace import StepTracer, UnitSpans, within
+from titanlite.model_spec import ModelSpec
 from titanlite.parallel.grad_norm import reduce_partial_grads
-from titanlite.dryrun.steptrace import StepTracer, within
+from titanlite.preflight import Plan
 
 
-def traced_depth(n: int, period: int, full: bool) -> int:
-    """The blocks traced: the fewest congruent to n modulo the AC period that hold a period
-    other than the first two blocks and the last, or n."""
-    k = next(k for k in range(period + 3, 2 * period + 3) if k % period == n % period)
-    return n if full else min(k, n)
+@dataclass(frozen=True)
+class UnitPlan:
+    """A traced block period that stands for `times` periods of its kind in its stage."""
+
+    start: int
+    """The shallow model's index of its first block."""
+    times: int
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which of the real model's blocks the shallow model traces, and the units it replays."""
+
+    chosen: tuple[int, ...]
+    """The real index of each block of the shallow model, in order."""
+    units: tuple[UnitPlan, ...]
+    period: int
+    kinds: dict[str, int]
+    """Each kind of block period replayed, by name, with how many of the model's blocks it counts."""
+
+
+def block_kinds(spec: ModelSpec, args) -> list[tuple]:
+    """Each block's kind: the modules it is built of (their types and shapes) and its window."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    return [(tuple((n, type(m).__name__, m.extra_repr()) for n, m in block.named_modules()), args.window(i))
+            for i, block in enumerate(getattr(model, spec.blocks).values())]
+
+
+def _kind_name(block: tuple, common: set[str]) -> str:
+    """A short name for a kind: its modules' types that not every block has, and its window."""
+    modules, window = block
+    return ("+".join(sorted({t for _, t, _ in modules} - common)) or "block") + (f" (window {window})" if window else "")
+
+
+def select(plan: Plan, period: int, full: bool) -> Selection:
+    """Per stage (the whole model without pipeline stages): blocks 0, 1 and the last; for each
+    kind of period of `period` consecutive blocks from block 2 on, its first (all of them if
+    `full`); the few blocks left before the last. A stage of fewer than period + 3 blocks is
+    traced whole."""
+    kinds = block_kinds(plan.spec, plan.args)
+    common = set.intersection(*({t for _, t, _ in modules} for modules, _ in kinds))
+    ranges = [(0, plan.args.n_layers)] if plan.stages is None else list(plan.stages.blocks)
+    chosen, units, named = [], [], {}
+    for a, b in ranges:
+        if b - a < period + 3:
+            chosen += range(a, b)
+            continue
+        windows = list(range(a + 2, b - period, period))
+        first: dict[tuple, list[int]] = {}
+        for w in windows:
+            first.setdefault(tuple(kinds[w:w + period]), []).append(w)
+        picks = [(w, 1) for w in windows] if full else [(ws[0], len(ws)) for ws in first.values()]
+        for key, ws in first.items():
+            name = " / ".join(_kind_name(k, common) for k in key)
+            named[name] = named.get(name, 0) + len(ws) * period
+        chosen += [a, a + 1]
+        for w, times in picks:
+            units.append(UnitPlan(len(chosen), times))
+            chosen += range(w, w + period)
+        chosen += range(windows[-1] + period, b)
+    return Selection(tuple(chosen), tuple(units), period, named)
+
+
+def shallow_plan(plan: Plan, selection: Selection) -> Plan:
+    """The plan of a model made of the selected blocks (same schedule, placement and
+    micro-batches): its spec builds the real model and keeps those blocks, renumbered."""
+    spec, args, chosen = plan.spec, plan.args, selection.chosen
+
+    def build(_args) -> nn.Module:
+        model = spec.build(args)
+        blocks = getattr(model, spec.blocks)
+        setattr(model, spec.blocks, nn.ModuleDict({str(j): blocks[str(r)] for j, r in enumerate(chosen)}))
+        return model
+
+    shallow = dataclasses.replace(plan, spec=dataclasses.replace(spec, build=build),
+                                  args=dataclasses.replace(args, n_layers=len(chosen)))
+    if plan.stages is None:
+        return shallow
+    ends = [next(j for j, r in enumerate(chosen) if r >= b) if b < args.n_layers else len(chosen)
+            for _, b in plan.stages.blocks]
+    stages = dataclasses.replace(plan.stages, blocks=tuple(zip([0, *ends[:-1]], ends)))
+    return dataclasses.replace(shallow, stages=stages)
 
 
 class BlockWatch:
     """Marks every block of `parts` (each part's `attr` module dict) while a step is traced;
     `replay` then says what the tracer repeats to reach the real depth."""
 
-    def __init__(self, parts: list[torch.nn.Module], attr: str, tracer: StepTracer, n_blocks: int, period: int):
-        self.tracer, self.period = tracer, period
-        self.indices, self.unit, self.elsewhere, self.others, self.handles, self.patched = [], [], [], [], [], []
-        self.repeats = n_blocks >= period + 3
+    def __init__(self, parts: list[torch.nn.Module], attr: str, tracer: StepTracer, selection: Selection):
+        self.tracer, self.period = tracer, selection.period
+        self.handles, self.patched, self.others = [], [], []
+        # per unit: the shallow model's index of its first block, its blocks, the spans of what is
+        # done for them elsewhere, how many periods of its kind it stands for
+        self.units = [(u.start, [], [], u.times) for u in selection.units]
+        self.indices = []
         for part in parts:
             blocks = getattr(part, attr)
-            ids = sorted(int(i) for i in blocks)
-            self.indices.append(ids)
+            self.indices.append(sorted(int(i) for i in blocks))
             self.handles += [h for i, block in blocks.items() for h in _marks(tracer, block, int(i))]
-            if self.repeats:
-                self.unit += [blocks[str(ids[j])] for j in range(2, 2 + period)]
+            for start, mine, _, _ in self.units:
+                mine += [blocks[str(j)] for j in range(start, start + self.period) if str(j) in blocks]
             # a pipeline schedule gathers, reduces and frees each stage's FSDP blocks itself:
-            # the repeated blocks' calls repeat with them, the others' are no block's own span
+            # a unit's calls repeat with it, the others' are no block's own span
             for b in (b for b in blocks.values() if isinstance(b, FSDPModule)):
-                spans = self.elsewhere if any(b is u for u in self.unit) else self.others
+                spans = next((spans for _, mine, spans, _ in self.units if any(b is u for u in mine)), self.others)
                 for obj, name in [(b, "unshard"), (b, "reshard"), (b._get_fsdp_state()._fsdp_param_group,
                                                                    "post_backward")]:
                     setattr(obj, name, tracer.spanned(getattr(obj, name), spans))
                     self.patched.append((obj, name))
 
     def reduce_partial_grads(self, params: list) -> None:
-        """train.py's partial-gradient reduction, the repeated blocks' own part spanned."""
-        mine = [p for b in self.unit for p in b.parameters()]
-        self.tracer.spanned(reduce_partial_grads, self.elsewhere)(mine)
+        """train.py's partial-gradient reduction, each unit's own part spanned."""
+        mine = []
+        for _, blocks, spans, _ in self.units:
+            own = [p for b in blocks for p in b.parameters()]
+            self.tracer.spanned(reduce_partial_grads, spans)(own)
+            mine += own
         reduce_partial_grads([p for p in params if all(p is not q for q in mine)])
 
     def close(self) -> None:
@@ -71,13 +165,19 @@ class BlockWatch:
             del obj.__dict__[name]
 
     def replay(self, optimizers) -> dict:
-        """StepTracer.result's repeat, unit_state and blocks arguments."""
+        """StepTracer.result's units and blocks arguments."""
         m, period = self.tracer.marks, self.period
-        # with pipeline stages, one span per micro-batch
-        repeat = [pair for ids in self.indices if self.repeats
-                  for pair in [*zip(m["forward", ids[2]], m["forward", ids[2 + period]]),
-                               *zip(m["backward", ids[1 + period]], m["backward", ids[1]])]]
-        repeat += [s for s in self.elsewhere if not any(within(s, r) for r in repeat)]
+        # each unit's forward and backward, one span each per micro-batch with pipeline stages
+        own = [[*zip(m["forward", start], m["forward", start + period]),
+                *zip(m["backward", start + period - 1], m["backward", start - 1])] for start, *_ in self.units]
+        units = []
+        for mine, (_, blocks, elsewhere, times) in zip(own, self.units):
+            # what is done for it elsewhere: inside its own spans it repeats with them; inside
+            # another unit's (its first block's prefetch) it is that unit's in the memory timeline
+            others = [r for spans in own if spans is not mine for r in spans]
+            calls = [s for s in elsewhere if not any(within(s, r) for r in mine)]
+            units.append(UnitSpans(mine + [s for s in calls if not any(within(s, r) for r in others)], times,
+                                   _held(blocks, optimizers), [s for s in calls if any(within(s, r) for r in others)]))
         # every block's forward and backward, to the next block's; the last forward to the next
         # mark of any kind (what it used dies as its call returns), the first backward to its end
         spans, marked = list(self.others), sorted(c for cs in m.values() for c in cs)
@@ -87,7 +187,7 @@ class BlockWatch:
                         [next((c for c in marked if c > e), self.tracer.cursor()) for e in m["forward_end", i]])
                 spans += [*zip(m["forward", i], ends),
                           *zip(m["backward", i], m["backward", ids[at - 1]] if at else m["backward_end", i])]
-        return {"repeat": repeat, "unit_state": _held(self.unit, optimizers), "blocks": spans}
+        return {"units": units, "blocks": spans}
 
 
 def _marks(tracer: StepTracer, block: torch.nn.Module, i: int) -> list:

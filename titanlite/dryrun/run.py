@@ -9,9 +9,9 @@ real model build and parallelize, and one real step (forward, backward, gradient
 clipping, AdamW). titanlite.dryrun.steptrace watches it: peak memory by category, collectives,
 FLOPs. titanlite.dryrun.hardware turns that into a predicted step time for a named GPU.
 
-Blocks are identical, so the step is traced with a few blocks (per pipeline stage) and replayed
-as the model's depth would run it, one block (or activation-checkpointing period, for `selective`
-layer AC) repeated (titanlite.dryrun.blocktrace); a pipeline stage runs three micro-batches and counts
+The step is traced with a few of the model's blocks (per pipeline stage) and replayed as the
+model's depth would run it, one block (or activation-checkpointing period, for `selective` layer
+AC) of each kind repeated as often as the model has it (titanlite.dryrun.blocktrace); a pipeline stage runs three micro-batches and counts
 the others as copies (titanlite.dryrun.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from titanlite.config import load as config_load
 
 from titanlite.dryrun import hardware, timing
-from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
+from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
@@ -91,37 +91,17 @@ def group_names(meshes) -> dict:
     return names
 
 
-def stage_depth(plan: Plan) -> int:
-    """The depth the step is extrapolated in: the model's blocks, or with pipeline stages the
-    smallest stage's (every stage is traced that many blocks short of its real count)."""
-    if plan.stages is None:
-        return plan.args.n_layers
-    return min(b - a for a, b in plan.stages.blocks)
-
-
-def shallow_plan(plan: Plan, k: int) -> Plan:
-    """The plan with `k` blocks, or every pipeline stage (n - k) blocks short (same schedule,
-    placement and micro-batches)."""
-    if plan.stages is None:
-        return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=k))
-    short = stage_depth(plan) - k
-    counts = [b - a - short for a, b in plan.stages.blocks]
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    stages = dataclasses.replace(plan.stages, blocks=tuple((s, s + c) for s, c in zip(starts, counts)))
-    return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=sum(counts)), stages=stages)
-
-
-def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
+def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection, fake: FakeTensorMode,
                device: str = "cuda", full: bool = False) -> Trace:
-    """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
-    trace one step, replayed as the model's full depth would run it: blocks 2 .. period + 1 of
-    each stage (a whole AC period) repeated to that depth, in forward and backward, for each
-    traced micro-batch (three per stage unless `full`: titanlite.dryrun.pptrace), with what those
-    blocks hold and gather outside their own spans."""
+    """Set the model up with the selected blocks (titanlite.dryrun.blocktrace.select) as train.py
+    does and trace one step, replayed as the model's full depth would run it: each unit (a block
+    period of one kind) repeated as often as the stage runs its kind, in forward and backward,
+    for each traced micro-batch (three per stage unless `full`: titanlite.dryrun.pptrace), with
+    what those blocks hold and gather outside their own spans."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
-    t, dims, n = cfg.training, plan.dims, stage_depth(plan)
-    plan = shallow_plan(plan, n_blocks)
+    t, dims = cfg.training, plan.dims
+    plan = shallow_plan(plan, selection)
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
     parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
@@ -158,15 +138,14 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
-        watch = BlockWatch(parts, plan.spec.blocks, tracer, n_blocks, period)
+        watch = BlockWatch(parts, plan.spec.blocks, tracer, selection)
         with tracer:  # train.py's loop body, less checkpointing and logging
             one_step(step, batches, update, TracedReferee(watch))
         for h in handles:
             h.remove()
         watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        return tracer.result([*params, *buffers], grads, state, times=(n - n_blocks) // period + 1,
-                             **watch.replay(optimizers))
+        return tracer.result([*params, *buffers], grads, state, **watch.replay(optimizers))
 
 
 @dataclasses.dataclass
@@ -177,8 +156,8 @@ class Role:
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
-    times: dict[tuple[str, bool], timing.StepTimes]
-    """By GPU and whether the blocks are compiled (one eager trace times both)."""
+    work: timing.Work
+    """What the step computes and sends, for timing.step_times on any GPU."""
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
 
@@ -186,27 +165,29 @@ class Role:
     def peak_phase(self) -> str:
         return max(PHASES, key=lambda p: self.peaks[p]["total"])
 
+    def times(self, gpu: hardware.GPU, compiled: bool) -> timing.StepTimes:
+        return timing.step_times(self.work, gpu, compiled)
 
-def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
-    """The step's time terms split into what each block adds (its compute; the FSDP traffic
-    that can hide behind it) and the rest."""
+
+def role_of(tr: Trace, selection: Selection, rank: int) -> Role:
+    """The traced step's figures, its work compacted for timing."""
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
-    times = {(gpu.name, compiled): timing.step_times(tr, n, period, gpu, compiled)
-             for gpu in hardware.GPUS.values() for compiled in (False, True)}
-    return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
+    work = timing.Work(timing.compact(tr.ops), tuple(tr.comms),
+                       tuple(timing.Unit(times, timing.compact(ops), tuple(cs), selection.period)
+                             for times, ops, cs in tr.units))
+    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied)
 
 
-def trace_role(cfg: JobConfig, plan: Plan, world_size: int, k: int, period: int, device: str, full: bool,
+def trace_role(cfg: JobConfig, plan: Plan, world_size: int, selection: Selection, device: str, full: bool,
                rank: int) -> Role:
-    """Trace rank `rank`'s step at depth `k`, replayed to the real one."""
+    """Trace rank `rank`'s step with the selected blocks, replayed to the real depth."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # the fake backend exchanges nothing through its store: any in-process store serves
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         meshes = plan.dims.build_meshes("cpu")
-        return role_of(trace_step(cfg, plan, meshes, k, fake, period, device, full), k, stage_depth(plan), period,
-                       rank)
+        return role_of(trace_step(cfg, plan, meshes, selection, fake, device, full), selection, rank)
     finally:
         dist.destroy_process_group()
 
@@ -228,7 +209,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
-    args = (cfg, plan, world_size, traced_depth(stage_depth(plan), period, full), period, device, full)
+    selection = select(plan, period, full)
+    args = (cfg, plan, world_size, selection, device, full)
     # a fresh process per role, one role too: DTensor caches sharding decisions keyed by process
     # group, which would hand one fake world's groups to the next traced in the same process (or
     # forked from it); forked, the roles also run side by side
@@ -246,7 +228,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
                 "schedule": cfg.parallelism.pipeline_parallel_schedule, "stages": plan.stages.n_stages,
                 "microbatches": plan.stages.n_microbatches,
                 "blocks_per_stage": [b - a for a, b in plan.stages.blocks]},
-            "_roles": roles, "_plan": plan}
+            "block_kinds": selection.kinds, "_roles": roles, "_plan": plan}
 
 
 def report(result: dict, gpu: hardware.GPU) -> dict:
@@ -257,14 +239,14 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
     # the schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones
     bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
                                           // result["layout"]["pp"])
-    roles, key = [], (gpu.name, cfg["compile"])
+    roles = []
     # replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
     # gradients, after the backward (titanlite.runtime.replicas)
     grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
     across = timing.replica_step_seconds(grads, cfg.get("replica_groups", 1), gpu)
     # the slowest role's step, eager and compiled (the same trace timed both ways)
-    steps = {c: max(role.times[gpu.name, c].step(*bubble) for role in result["_roles"]) + across
-             for c in (False, True)}
+    times = {(id(role), c): role.times(gpu, c) for role in result["_roles"] for c in (False, True)}
+    steps = {c: max(times[id(role), c].step(*bubble) for role in result["_roles"]) + across for c in (False, True)}
     step_s = steps[cfg["compile"]]
     for role in result["_roles"]:
         peak = role.peaks[role.peak_phase]
@@ -277,13 +259,14 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": role.times[key].step(*bubble),
-            "step_terms_s": dataclasses.asdict(role.times[key])})
+            "step_s": times[id(role), cfg["compile"]].step(*bubble),
+            "step_terms_s": dataclasses.asdict(times[id(role), cfg["compile"]])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
     if pipe is not None:
         pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
-    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg, "roles": roles,
+    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg,
+            "block_kinds": result.get("block_kinds", {}), "roles": roles,
             "predicted": {"gpu": gpu.name, "step_s": step_s, "replica_groups_s": across,
                           "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
@@ -308,7 +291,7 @@ def print_table(rep: dict) -> None:
               f"x{pipe['bubble_factor']:.3f} on the busy time")
     for role in rep["roles"]:
         m = role["memory_gib"]
-        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks per stage, "
+        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks, "
               f"{role['copied_calls']} pipeline calls copied, peak during {role['peak_phase']}):")
         for c in (*CATEGORIES, "peak"):
             print(f"  {c:<14} {m[c]:9.2f} GiB")

@@ -132,6 +132,16 @@ class Comm:
 
 
 @dataclass
+class UnitSpans:
+    """What a traced unit (a block period of one kind) did, for StepTracer.result."""
+
+    spans: list[tuple]
+    times: int
+    state: list[torch.Tensor]
+    nested: list[tuple] = field(default_factory=list)
+
+
+@dataclass
 class Trace:
     """What one traced step did on this rank."""
 
@@ -141,9 +151,9 @@ class Trace:
     flops: int
     ops: list[tuple] = field(repr=False)
     """(FLOPs, bytes read + written, class, kernels) per compute op (titanlite.dryrun.timing)."""
-    block_comms: list[Comm] = field(repr=False)
-    block_ops: list[tuple] = field(repr=False)
-    """What one block period adds to the step (every local stage, every micro-batch)."""
+    units: list[tuple[int, list[tuple], list[Comm]]] = field(repr=False)
+    """Per unit (a block period of one kind, titanlite.dryrun.blocktrace): the times the step
+    runs it, and what one instance adds to the step (every micro-batch), ops and collectives."""
     copied: int = 0
     """Calls the step skipped and counted as copies of another (titanlite.dryrun.pptrace)."""
 
@@ -374,25 +384,26 @@ class StepTracer(TorchDispatchMode):
         self.comm_sids.append(self.sid.get(t.untyped_storage()))
 
     # ---- after the step
-    def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=(),
-               blocks: list[tuple] = ()) -> Trace:
+    def result(self, params, grads, optim_state, units: list[UnitSpans] = (), blocks: list[tuple] = ()) -> Trace:
         """Replay the step with each storage's final category; call before the step's tensors die.
 
-        A deeper model's step is replayed from this one: its extra blocks do what one block
-        period already did here (titanlite.dryrun.blocktrace).
-        - Each (start, end) span in `repeat` (cursors: the period's forward or backward, or
-          what is done for it elsewhere, as FSDP's gathers and gradient reductions under a
-          pipeline schedule) counts `times` times.
-        - The period's own state (`unit_state`: parameters, gradients, buffers, optimizer
-          state) is held from the start times - 1 more times.
-        - Outside every block's span (`blocks`: each block's forward and backward), what the
-          repeated spans created is freed `times` times where it is freed once (a cache of
-          every block's tensors emptied at once: autocast's weight casts, the weight gradients
-          autograd casts back at the end of a backward call), and each op and collective there
-          counts its share in the period's storages times - 1 more times (the end of a
-          backward call; gradient norm, clipping, the optimizer step). What the next block's
-          span frees (the block's output, say) is the next repeat's, as it stands.
-        One instance of each is the step's work per block period (Trace.block_ops, block_comms)."""
+        A deeper model's step is replayed from this one: its extra blocks do what a traced unit
+        (a block period of one kind) already did here (titanlite.dryrun.blocktrace). For each unit:
+        - each (start, end) span of `spans` (cursors: the period's forward or backward, or what
+          is done for it elsewhere, as FSDP's gathers and gradient reductions under a pipeline
+          schedule) counts `times` times; its `nested` spans (its calls inside another unit's
+          span: FSDP's prefetch of its first block) count its `times` in the work and traffic,
+          and the enclosing unit's in the memory timeline;
+        - its own `state` (parameters, gradients, buffers, optimizer state) is held from the
+          start times - 1 more times;
+        - outside every block's span (`blocks`: each block's forward and backward), what its
+          spans created is freed `times` times where it is freed once (a cache of every
+          block's tensors emptied at once: autocast's weight casts, the weight gradients autograd
+          casts back at the end of a backward call), and each op and collective there counts
+          its share in the unit's storages times - 1 more times (the end of a backward call;
+          gradient norm, clipping, the optimizer step). What the next block's span frees (the
+          block's output, say) is the next repeat's, as it stands.
+        One instance of each is the step's work per unit (Trace.units)."""
         def ids(ts):
             return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
         final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
@@ -401,12 +412,15 @@ class StepTracer(TorchDispatchMode):
         def category(sid: int) -> str:
             return next((name for name, s in final if sid in s), "temporaries")
 
-        more, owned = times - 1, ids(unit_state)
+        owned = [ids(u.state) for u in units]
+        more = {sid: u.times - 1 for u, own in zip(units, owned) for sid in own}
         live = defaultdict(int)
         for sid, n in self._initial.items():
-            live[category(sid)] += n * (1 + more * (sid in owned))
+            live[category(sid)] += n * (1 + more.get(sid, 0))
         peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
-        repeat, used = sorted(repeat), set()
+        repeat = sorted((a, b, u.times, i) for i, u in enumerate(units) for a, b in u.spans)
+        nested = sorted((a, b, u.times, i) for i, u in enumerate(units) for a, b in u.nested)
+        used = set()
 
         # a copied span's result the schedule holds dies with its stand-in, unless alive at the end (as the copies')
         inside = defaultdict(int)
@@ -415,35 +429,62 @@ class StepTracer(TorchDispatchMode):
                 inside[sid] += delta or 0
         resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
                     for e in self.log]
-        born = {sid for a, b in repeat for _, sid, delta in self.log[a[0]:b[0]] if delta and delta > 0}
-        covered = _covered([*repeat, *blocks], 0, len(resolved))
+        born = [set() for _ in units]
+        for a, b, _, i in repeat:
+            born[i] |= {sid for _, sid, delta in self.log[a[0]:b[0]] if delta and delta > 0}
+        born_times = {sid: units[i].times for i, sids in enumerate(born) for sid in sids}
+        spans = [*((a, b) for a, b, _, _ in repeat), *blocks]
+        covered = _covered(spans, 0, len(resolved))
         for i, (phase, sid, delta) in enumerate(resolved):
-            if delta < 0 and sid in born and not covered[i]:
-                resolved[i] = (phase, sid, delta * times)
-        # each op and collective outside the spans with its share in the period (0: none), and
+            if delta < 0 and sid in born_times and not covered[i]:
+                resolved[i] = (phase, sid, delta * born_times[sid])
+        # each op and collective outside the spans with each unit's share in it (0: none), and
         # as it counts in the deeper step
-        op_part, comm_part = self._shares(owned | born, [*repeat, *blocks])
-        shares = ([(f * p, n * p, c, p) for (f, n, c, _), p in zip(self.ops, op_part)],
-                  [(key, n * p, int(p == 1)) for (key, n), p in zip(self.comm_log, comm_part)])
-        lists = (resolved, [(f + more * sf, n + more * sn, c, k + more * sk)
-                            for (f, n, c, k), (sf, sn, _, sk) in zip(self.ops, shares[0])],
-                 [(key, n + more * sn, 1 + more * c) for (key, n), (_, sn, c) in zip(self.comm_log, shares[1])],
-                 *shares)
-        block_ops, block_comms = [], []
+        op_shares, comm_shares = [], []
+        for own, new in zip(owned, born):
+            op_part, comm_part = self._shares(own | new, spans)
+            op_shares.append([(f * p, n * p, c, p) for (f, n, c, _), p in zip(self.ops, op_part)])
+            comm_shares.append([(key, n * p, int(p == 1)) for (key, n), p in zip(self.comm_log, comm_part)])
+        extra = [u.times - 1 for u in units]
+        ops = [(f + sum(m * s[j][0] for m, s in zip(extra, op_shares)), n + sum(m * s[j][1] for m, s in zip(extra, op_shares)),
+                c, k + sum(m * s[j][3] for m, s in zip(extra, op_shares))) for j, (f, n, c, k) in enumerate(self.ops)]
+        comms = [(key, n + sum(m * s[j][1] for m, s in zip(extra, comm_shares)),
+                  1 + sum(m * s[j][2] for m, s in zip(extra, comm_shares))) for j, (key, n) in enumerate(self.comm_log)]
+        lists = (resolved, ops, comms, *op_shares, *comm_shares)
+        where = (0, 1, 2, *[1] * len(units), *[2] * len(units))
+        unit_ops, unit_comms = [[] for _ in units], [[] for _ in units]
+
+        def piece(seq: list, i: int, start: tuple, end: tuple, times: int) -> list:
+            """seq over a repeated span: `times` copies; in the work and traffic (i > 0) each
+            nested span of another unit inside it at that unit's times."""
+            if i == 0:
+                return seq[start[i]:end[i]] * times
+            out, at = [], start[i]
+            for a, b, t, _ in nested:
+                if within((a, b), (start, end)):
+                    out += seq[at:a[i]] * times + seq[a[i]:b[i]] * t
+                    at = b[i]
+            return out + seq[at:end[i]] * times
 
         def expand(a: tuple, b: tuple) -> tuple[list, ...]:
             """The log, ops, collectives and their shares from cursor a to b, each repeated span
             in it `times` times."""
-            out = ([], [], [], [], [])
-            for start, end in repeat:
+            out = tuple([] for _ in lists)
+            for start, end, times, u in repeat:
                 if within((start, end), (a, b)):
-                    for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
-                        o += seq[a[i]:start[i]] + seq[start[i]:end[i]] * times
-                    block_ops.extend(self.ops[start[1]:end[1]])
-                    block_comms.extend((key, n, 1) for key, n in self.comm_log[start[2]:end[2]])
+                    for o, seq, i in zip(out, lists, where):
+                        o += seq[a[i]:start[i]] + piece(seq, i, start, end, times)
+                    holes = [(s, e, v) for s, e, _, v in nested if within((s, e), (start, end))]
+                    unit_ops[u].extend(op for j, op in enumerate(self.ops[start[1]:end[1]], start[1])
+                                       if not any(s[1] <= j < e[1] for s, e, _ in holes))
+                    unit_comms[u].extend((key, n, 1) for j, (key, n) in enumerate(self.comm_log[start[2]:end[2]], start[2])
+                                         if not any(s[2] <= j < e[2] for s, e, _ in holes))
+                    for s, e, v in holes:
+                        unit_ops[v].extend(self.ops[s[1]:e[1]])
+                        unit_comms[v].extend((key, n, 1) for key, n in self.comm_log[s[2]:e[2]])
                     a = end
                     used.add((start, end))
-            for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
+            for o, seq, i in zip(out, lists, where):
                 o += seq[a[i]:b[i]]
             return out
 
@@ -451,26 +492,27 @@ class StepTracer(TorchDispatchMode):
         for at, key in self.copies:
             log_part, *rest = expand(*self.spans[key][:2])
             inserts.append((at, ([e for e in log_part if e[1] not in self.own_per_copy], *rest)))
-        streams, last = ([], [], [], [], []), (0, 0, 0)
+        streams, last = tuple([] for _ in lists), (0, 0, 0)
         for at, entries in sorted(inserts, key=lambda x: x[0]):
             for whole, before, inserted in zip(streams, expand(last, at), entries):
                 whole += before + inserted
             last = at
         for whole, rest in zip(streams, expand(last, self.cursor())):
             whole += rest
-        if used != set(repeat):
+        if used != {(a, b) for a, b, _, _ in repeat}:
             raise RuntimeError("a repeated block's span of the step straddles a skipped pipeline call")
         log, ops, comm_log = streams[:3]
-        block_ops += [op for op in streams[3] if op[1]]
-        block_comms += [c for c in streams[4] if c[1]]
+        for i in range(len(units)):
+            unit_ops[i] += [op for op in streams[3 + i] if op[1]]
+            unit_comms[i] += [c for c in streams[3 + len(units) + i] if c[1]]
         for phase, sid, delta in log:
             live[category(sid)] += delta
             total = sum(live.values())
             if total > peaks[PHASES[phase]]["total"]:
                 peaks[PHASES[phase]] = {**live, "total": total}
         peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        return Trace(peaks, self._tally(comm_log), sum(op[0] for op in ops), ops, self._tally(block_comms), block_ops,
-                     len(self.copies))
+        return Trace(peaks, self._tally(comm_log), sum(op[0] for op in ops), ops,
+                     [(u.times, o, self._tally(c)) for u, o, c in zip(units, unit_ops, unit_comms)], len(self.copies))
 
     def _shares(self, seeds: set[int], spans: list[tuple]) -> tuple[list[float], list[float]]:
         """A block period's share of each op and collective outside every span (0 inside): by
