@@ -190,6 +190,41 @@ def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
         _assert_same_trace(a, b)
 
 
+def test_a_stack_of_different_blocks_is_traced_per_kind(monkeypatch):
+    """Qwen3.5's hybrid stack (6 linear- and 2 full-attention blocks of 8) over FSDP 2: traced with
+    one block of each kind standing for the middle ones, its replay equals every block traced
+    (peaks, collectives, FLOPs, time terms), and its FLOPs are the sum of its blocks': 6/8 of an
+    all-linear stack's and 2/8 of an all-full one's (everything else is the same). DeepSeek-V3's
+    dense and MoE blocks with its MTP depth replay the same way (the replay of one kind for every
+    middle block counted the hybrid as 7 linear and 1 full)."""
+    spec = get_model_spec("qwen3_5")
+    stacks = {"hybrid": ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
+              "linear": ("linear_attention",) * 8, "full": ("full_attention",) * 8}
+    flops = {}
+    for name, kinds in stacks.items():
+        monkeypatch.setitem(spec.flavors, name, dataclasses.replace(spec.flavors["debugmodel"], n_layers=8,
+                                                                   layer_types=kinds))
+        cfg, _ = config.load(["--config", "qwen3_5_debug.toml", "--model.flavor", name, "--training.seq_len", "64",
+                              "--training.local_batch_size", "1"])
+        result = dry_run(cfg, 2)
+        flops[name] = result["_roles"][0].flops
+        if name == "hybrid":
+            assert sorted(result["block_kinds"].values()) == [2, 6]
+            (every,) = dry_run(cfg, 2, full=True)["_roles"]
+            assert result["_roles"][0].traced_blocks == 5 and every.traced_blocks == 8
+            _assert_same_trace(result["_roles"][0], every)
+    assert flops["hybrid"] == pytest.approx((6 * flops["linear"] + 2 * flops["full"]) / 8, rel=1e-9)
+    assert flops["full"] != pytest.approx(flops["linear"], rel=0.01)  # the kinds differ, so the sum tells
+    spec = get_model_spec("deepseek_v3")
+    monkeypatch.setitem(spec.flavors, "mixed", dataclasses.replace(spec.flavors["debugmodel"], n_layers=7,
+                                                                  n_dense_layers=3))
+    cfg, _ = config.load(["--config", "deepseek_v3_debug.toml", "--model.flavor", "mixed", "--training.seq_len", "64",
+                          "--training.local_batch_size", "1"])
+    result = dry_run(cfg, 2)
+    assert sorted(result["block_kinds"].values()) == [3, 4]  # 3 dense, 4 MoE
+    _assert_same_trace(result["_roles"][0], dry_run(cfg, 2, full=True)["_roles"][0])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_config_fits_at_its_intended_scale(path):
     ngpu = _scale(path)

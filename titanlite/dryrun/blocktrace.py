@@ -8,7 +8,7 @@ prefetch), so the dry run builds each stage from a few of the real model's block
 those three, and for every kind of block period in between (one block, or with `selective`
 layer AC a whole period of consecutive blocks) one that stands for every period of that kind
 the stage runs. The tracer replays what each such unit did once per period of its kind
-(titanlite.dryrun.steptrace.StepTracer.result). What a unit did is:
+(titanlite.dryrun.replay.result). What a unit did is:
 
 - its forward and its backward, each from its mark to the next block's (the marks follow
   FSDP's hooks for a block: its unshard, the prefetch of the next one);
@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from titanlite.dryrun.steptrace import StepTracer, UnitSpans, within
+from titanlite.dryrun.replay import UnitSpans
+from titanlite.dryrun.steptrace import StepTracer, within
 from titanlite.model_spec import ModelSpec
 from titanlite.parallel.grad_norm import reduce_partial_grads
 from titanlite.preflight import Plan
@@ -56,7 +57,7 @@ class Selection:
     units: tuple[UnitPlan, ...]
     period: int
     kinds: dict[str, int]
-    """Each kind of block period replayed, by name, with how many of the model's blocks it counts."""
+    """The model's blocks by kind (a name for each: the module types not every block has)."""
 
 
 def block_kinds(spec: ModelSpec, args) -> list[tuple]:
@@ -82,6 +83,8 @@ def select(plan: Plan, period: int, full: bool) -> Selection:
     common = set.intersection(*({t for _, t, _ in modules} for modules, _ in kinds))
     ranges = [(0, plan.args.n_layers)] if plan.stages is None else list(plan.stages.blocks)
     chosen, units, named = [], [], {}
+    for kind in kinds:
+        named[_kind_name(kind, common)] = named.get(_kind_name(kind, common), 0) + 1
     for a, b in ranges:
         if b - a < period + 3:
             chosen += range(a, b)
@@ -91,9 +94,6 @@ def select(plan: Plan, period: int, full: bool) -> Selection:
         for w in windows:
             first.setdefault(tuple(kinds[w:w + period]), []).append(w)
         picks = [(w, 1) for w in windows] if full else [(ws[0], len(ws)) for ws in first.values()]
-        for key, ws in first.items():
-            name = " / ".join(_kind_name(k, common) for k in key)
-            named[name] = named.get(name, 0) + len(ws) * period
         chosen += [a, a + 1]
         for w, times in picks:
             units.append(UnitPlan(len(chosen), times))
@@ -165,7 +165,7 @@ class BlockWatch:
             del obj.__dict__[name]
 
     def replay(self, optimizers) -> dict:
-        """StepTracer.result's units and blocks arguments."""
+        """titanlite.dryrun.replay.result's units, blocks and compiled arguments."""
         m, period = self.tracer.marks, self.period
         # each unit's forward and backward, one span each per micro-batch with pipeline stages
         own = [[*zip(m["forward", start], m["forward", start + period]),
@@ -180,14 +180,16 @@ class BlockWatch:
                                    _held(blocks, optimizers), [s for s in calls if any(within(s, r) for r in others)]))
         # every block's forward and backward, to the next block's; the last forward to the next
         # mark of any kind (what it used dies as its call returns), the first backward to its end
-        spans, marked = list(self.others), sorted(c for cs in m.values() for c in cs)
+        spans, compiled, marked = list(self.others), [], sorted(c for cs in m.values() for c in cs)
         for ids in self.indices:
             for at, i in enumerate(ids):
                 ends = (m["forward", ids[at + 1]] if at + 1 < len(ids) else
                         [next((c for c in marked if c > e), self.tracer.cursor()) for e in m["forward_end", i]])
-                spans += [*zip(m["forward", i], ends),
-                          *zip(m["backward", i], m["backward", ids[at - 1]] if at else m["backward_end", i])]
-        return {"units": units, "blocks": spans}
+                backward = [*zip(m["backward", i], m["backward", ids[at - 1]] if at else m["backward_end", i])]
+                spans += [*zip(m["forward", i], ends), *backward]
+                # what a compiled block runs: its forward to its end, its backward
+                compiled += [*zip(m["forward", i], m["forward_end", i]), *backward]
+        return {"units": units, "blocks": spans, "compiled": compiled}
 
 
 def _marks(tracer: StepTracer, block: torch.nn.Module, i: int) -> list:

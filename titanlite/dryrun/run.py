@@ -1,6 +1,7 @@
 """Dry run of one real training step at any scale, on one CPU process, allocating nothing:
 
-    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--full] [--section.key value ...]
+    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--power-limit W] [--rank R] [--out FILE] [--full]
+                               [--section.key value ...]
     python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's pre-launch check)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
@@ -47,11 +48,12 @@ from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.dryrun.standins import TracedReferee, fake_routing
+from titanlite.dryrun.standins import TracedReferee, fake_routing, fused_norms
 from titanlite.loop import Update, one_step
 from titanlite.model_spec import in_model_code
 from titanlite.preflight import Plan, check_attention, make_plan, preflight
-from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
+from titanlite.dryrun.replay import Trace, result as replay
+from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
@@ -105,6 +107,8 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection,
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param))
     parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
+    if device == "cuda":
+        fused_norms(parts)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     tracer = StepTracer(group_names(meshes))
     with fake:
@@ -145,7 +149,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection,
             h.remove()
         watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        return tracer.result([*params, *buffers], grads, state, **watch.replay(optimizers))
+        return replay(tracer, [*params, *buffers], grads, state, **watch.replay(optimizers))
 
 
 @dataclasses.dataclass
@@ -160,13 +164,20 @@ class Role:
     """What the step computes and sends, for timing.step_times on any GPU."""
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
+    compiled_peaks: dict[str, dict[str, float]]
+    """The peaks as compiled blocks hold them (what their partitioner recomputes is not kept)."""
 
     @property
     def peak_phase(self) -> str:
         return max(PHASES, key=lambda p: self.peaks[p]["total"])
 
-    def times(self, gpu: hardware.GPU, compiled: bool) -> timing.StepTimes:
-        return timing.step_times(self.work, gpu, compiled)
+    def peaks_as(self, compiled: bool) -> tuple[dict[str, dict[str, float]], str]:
+        """The peaks per phase, eager or compiled, and the phase of the largest."""
+        peaks = self.compiled_peaks if compiled else self.peaks
+        return peaks, max(PHASES, key=lambda p: peaks[p]["total"])
+
+    def times(self, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> timing.StepTimes:
+        return timing.step_times(self.work, gpu, compiled, k)
 
 
 def role_of(tr: Trace, selection: Selection, rank: int) -> Role:
@@ -174,9 +185,10 @@ def role_of(tr: Trace, selection: Selection, rank: int) -> Role:
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
     work = timing.Work(timing.compact(tr.ops), tuple(tr.comms),
-                       tuple(timing.Unit(times, timing.compact(ops), tuple(cs), selection.period)
-                             for times, ops, cs in tr.units))
-    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied)
+                       tuple(timing.Unit(times, timing.compact(ops), timing.compact(fused), tuple(cs), selection.period)
+                             for times, ops, fused, cs in tr.units),
+                       timing.compact(tr.block_ops), timing.compact(tr.compiled_block_ops))
+    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied, tr.compiled_peaks)
 
 
 def trace_role(cfg: JobConfig, plan: Plan, world_size: int, selection: Selection, device: str, full: bool,
@@ -198,7 +210,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     backend = cfg.model.attn_backend
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
-    plan = make_plan(cfg, world_size)  # a dry run reads no data: it plans any size of job
+    plan = make_plan(cfg, world_size, device)  # a dry run reads no data: it plans any size of job
     groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1
     if groups > 1:  # one replica group's step: its share of the global batch when every group is in the quorum
         plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size // groups)
@@ -220,7 +232,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.flavor, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
-                       "attn_backend": backend, "compile": compiled, "replica_groups": groups},
+                       "attn_backend": backend, "compile": compiled, "replica_groups": groups,
+                       "float8": cfg.float8.enable and cfg.float8.recipe},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -231,43 +244,60 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             "block_kinds": selection.kinds, "_roles": roles, "_plan": plan}
 
 
+def bubble_of(result: dict) -> tuple[int, int]:
+    """The schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones."""
+    pipe = result["pipeline"]
+    return (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
+                                        // result["layout"]["pp"])
+
+
+def replica_seconds(result: dict, gpu: hardware.GPU) -> float:
+    """Replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
+    gradients, after the backward (titanlite.runtime.replicas)."""
+    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
+    return timing.replica_step_seconds(grads, result["config"].get("replica_groups", 1), gpu)
+
+
+def step_seconds(result: dict, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> float:
+    """The slowest role's step on `gpu`, eager or compiled (one trace times both), with factors `k`."""
+    return max(role.times(gpu, compiled, k).step(*bubble_of(result)) for role in result["_roles"]) + replica_seconds(
+        result, gpu)
+
+
 def report(result: dict, gpu: hardware.GPU) -> dict:
     """The JSON report for one GPU (the roles' traces do not depend on it)."""
     plan, cfg, world = result["_plan"], result["config"], result["world_size"]
     tokens = cfg["global_batch_size"] * cfg["seq_len"]
-    pipe = result["pipeline"]
-    # the schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones
-    bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
-                                          // result["layout"]["pp"])
-    roles = []
-    # replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
-    # gradients, after the backward (titanlite.runtime.replicas)
-    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
-    across = timing.replica_step_seconds(grads, cfg.get("replica_groups", 1), gpu)
-    # the slowest role's step, eager and compiled (the same trace timed both ways)
-    times = {(id(role), c): role.times(gpu, c) for role in result["_roles"] for c in (False, True)}
-    steps = {c: max(times[id(role), c].step(*bubble) for role in result["_roles"]) + across for c in (False, True)}
+    pipe, bubble = result["pipeline"], bubble_of(result)
+    if cfg.get("float8") and gpu.mamf_f8_flops is None:
+        raise ConfigError(f"float8.enable: the {gpu.name} has no float8 matmuls; plan it on an h100, h200 or b200, "
+                          "or set --float8.enable false")
+    roles, across = [], replica_seconds(result, gpu)
+    times = {id(role): role.times(gpu, cfg["compile"]) for role in result["_roles"]}
+    steps = {c: step_seconds(result, gpu, c) for c in (False, True)}
     step_s = steps[cfg["compile"]]
     for role in result["_roles"]:
-        peak = role.peaks[role.peak_phase]
+        peaks, phase = role.peaks_as(cfg["compile"])
+        peak = peaks[phase]
         roles.append({
             "rank": role.rank, "traced_blocks": role.traced_blocks, "copied_calls": role.copied_calls,
-            "peak_phase": role.peak_phase,
+            "peak_phase": phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
-            "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
+            "memory_gib_by_phase": {p: peaks[p]["total"] / GIB for p in PHASES},
+            "peak_gib_eager": role.peaks[role.peak_phase]["total"] / GIB,
             "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": times[id(role), cfg["compile"]].step(*bubble),
-            "step_terms_s": dataclasses.asdict(times[id(role), cfg["compile"]])})
+            "step_s": times[id(role)].step(*bubble),
+            "step_terms_s": dataclasses.asdict(times[id(role)])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
     if pipe is not None:
         pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
     return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg,
             "block_kinds": result.get("block_kinds", {}), "roles": roles,
-            "predicted": {"gpu": gpu.name, "step_s": step_s, "replica_groups_s": across,
+            "predicted": {"gpu": gpu.name, "power_w": gpu.power_w, "step_s": step_s, "replica_groups_s": across,
                           "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
                           "tokens_per_sec_per_gpu_eager": tokens / steps[False] / world,
@@ -280,7 +310,10 @@ def print_table(rep: dict) -> None:
     print(f"{cfg['model']} {cfg['flavor']} on {rep['world_size']} ranks: "
           + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
           + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
-          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}")
+          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}"
+          + (f", float8 {cfg['float8']}" if cfg.get("float8") else ""))
+    if len(rep.get("block_kinds", {})) > 1:
+        print("blocks, each kind traced and counted apart: " + ", ".join(f"{k} x{n}" for k, n in rep["block_kinds"].items()))
     if cfg["attn_backend"] != "sdpa":
         print(f"attention: model.attn_backend {cfg['attn_backend']} traced as sdpa (its kernels cannot run on "
               "fake CPU tensors); memory and collectives are sdpa's, time a roofline of the same FLOPs")
@@ -299,7 +332,7 @@ def print_table(rep: dict) -> None:
         for name, v in role["collectives"].items():
             print(f"  {name:<34} {v['count']:>7} {v['gib']:>10.3f}")
         print(f"  FLOPs per step {role['flops_per_step']:.4g}")
-    print(f"predicted on {pred['gpu']}: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
+    print(f"predicted on {pred['gpu']} at {pred['power_w']:.0f} W: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
           f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
     if pred["replica_groups_s"]:
@@ -324,9 +357,10 @@ def train_device(cfg: JobConfig) -> str:
 
 def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
     result = dry_run(cfg, world_size, device=device or train_device(cfg))
-    role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
-    peak = role.peaks[role.peak_phase]
-    return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims
+    compiled = result["config"]["compile"]
+    role = max(result["_roles"], key=lambda r: (lambda p, ph: p[ph]["total"])(*r.peaks_as(compiled)))
+    peaks, phase = role.peaks_as(compiled)
+    return Estimate({c: peaks[phase][c] for c in CATEGORIES}, peaks[phase]["total"], phase), result["_plan"].dims
 
 
 def device_limit_gib(local_ranks: int) -> tuple[float, str]:
@@ -395,8 +429,13 @@ def split_flags(argv: list[str], opts: dict, switches: tuple[str, ...] = ()) -> 
 
 
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}
+    opts = {"ngpu": "1", "gpu": "h100", "power_limit": None, "rank": None, "out": None, "check_memory": None}
     rest = split_flags(argv, opts, ("--full",))
+    if opts["power_limit"] is not None:
+        try:
+            opts["power_limit"] = float(opts["power_limit"])
+        except ValueError:
+            raise ConfigError(f"--power-limit: expected watts (a positive number), got '{opts['power_limit']}'") from None
     for key in ("ngpu", "rank", "check_memory"):
         if opts[key] is not None and not opts[key].isdigit():
             raise ConfigError(f"--{key.replace('_', '-')}: expected a non-negative integer, got '{opts[key]}'")
@@ -416,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         opts, rest = _parse(argv)
         if opts["check_memory"] is not None:
             what, skip = "the preflight", "; ./run_train.sh --skip-preflight launches without it"
-        gpu = hardware.get_gpu(opts["gpu"])
+        gpu = hardware.get_gpu(opts["gpu"], opts["power_limit"])
         cfg, _ = config_load.load(rest)
         if opts["check_memory"] is not None:
             # run_train.sh's whole pre-launch check in one process: the trainer's own preflight

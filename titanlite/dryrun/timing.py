@@ -12,8 +12,11 @@ the fit, with each run's leave-one-out error.
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
 
 from titanlite.dryrun.hardware import GPU
 
@@ -27,25 +30,36 @@ class Factors:
     hbm: float
     """Share of HBM bandwidth the eager step's memory-bound kernels reach (small tensors, fp32
     casts, reductions, a kernel per aten op)."""
-    compiled: float
-    """Share of a compiled block's eager memory-bound bytes (and kernels) left once torch.compile
-    fuses them; matmuls and attention keep their kernels."""
     contention: float
     """Share of FSDP's overlapped traffic that still costs the compute it runs beside (NCCL's
     kernels take SMs and HBM bandwidth from the GEMMs they overlap)."""
+    fixed_power: float
+    """Share of a GPU's rated power that does not scale with its compute clock (HBM, I/O,
+    leakage): under a lower power limit only the rest is cut, clock_share."""
+    kernel_gap_us: float
+    """Microseconds each kernel of the step adds beyond its work: the launch and the host's
+    dispatch of an eager op, which the host's run-ahead does not hide behind short kernels."""
+
+
+def clock_share(gpu: GPU, k: "Factors") -> float:
+    """The share of its rated compute clock `gpu` sustains under its power limit. The power that
+    scales with the clock goes as its cube (f V^2, the voltage rising with the clock); the rest
+    (Factors.fixed_power) stays. A limit at or above the rated power gains nothing."""
+    ratio = min(1.0, gpu.power_w / gpu.rated_w)
+    if ratio >= 1.0:
+        return 1.0
+    return max(ratio - k.fixed_power, 0.0) ** (1 / 3) / (1 - k.fixed_power) ** (1 / 3)
 
 
 # Fitted by titanlite.dryrun.calibration.fit (least squares on the log of predicted / measured
 # step time over every run of calibration.RUNS marked `fit`); the run and parameter counts and
 # each run's leave-one-out error are in docs/scaling.md. tests/test_timing.py refits and checks
 # these are the fit's.
-FITTED = Factors(matmul=0.93, hbm=0.63, compiled=0.56, contention=0.30)
+FITTED = Factors(matmul=1.0, hbm=0.87, contention=0.03, fixed_power=0.58, kernel_gap_us=9.27)
 
-# Stated, not fitted: the gap between two eager kernels on a busy stream (launch latency the
-# host's run-ahead cannot hide for short kernels), and NCCL's bus bandwidth as a share of the
-# link's (nccl-tests reach ~80% of NVLink and ~90% of a 200/400 Gb/s NIC), with a fixed latency
-# per collective (nccl-tests' small-message times: ~10 us in a node, ~30 us across nodes).
-KERNEL_GAP_S = 2e-6
+# Stated, not fitted: NCCL's bus bandwidth as a share of the link's (nccl-tests reach ~80% of
+# NVLink and ~90% of a 200/400 Gb/s NIC), with a fixed latency per collective (nccl-tests'
+# small-message times: ~10 us in a node, ~30 us across nodes).
 LINK_EFFICIENCY = {"nvlink": 0.80, "network": 0.90}
 LATENCY_S = {"nvlink": 10e-6, "network": 30e-6}
 
@@ -69,40 +83,39 @@ def op_class(func) -> str:
     return "memory"
 
 
-def op_seconds(flops: float, nbytes: float, kind: str, kernels: float, gpu: GPU, k: Factors = FITTED) -> float:
-    """One op (or an op's share): the slower of its FLOPs at its class's rate and its bytes at
-    achievable HBM bandwidth, plus the launch gap. Attention FLOPs are counted as the full square
-    (torch's counter, the MFU formula); a causal kernel computes half of it."""
-    mem = nbytes / (gpu.hbm_bytes_per_s * k.hbm)
-    if kind == "attention":
-        t = flops / 2 / gpu.attention_flops
-    elif kind == "attention_backward":
-        t = flops / 2 / gpu.attention_bwd_flops
-    elif kind == "matmul_f8":
-        t = flops / (gpu.mamf_f8_flops * k.matmul)
-    else:
-        t = flops / (gpu.mamf_flops * k.matmul)
-    return max(t, mem) + kernels * KERNEL_GAP_S
+CLASSES = ("matmul", "matmul_f8", "attention", "attention_backward", "memory")
 
 
-def compact(ops: list[tuple]) -> tuple[tuple, ...]:
-    """(FLOPs, bytes, class, kernels) per op, as (FLOPs and bytes per kernel, class, kernels) with
-    equal ops merged: an op's time is linear in its kernel count (a share of an op is that share
-    of its FLOPs, bytes and kernel), so the sum is unchanged and a trace of thousands of ops
-    keeps a few hundred."""
-    merged: dict[tuple, float] = defaultdict(float)
+def _rates(gpu: GPU, k: Factors) -> np.ndarray:
+    """FLOP/s per op class (CLASSES order) at the clock the GPU's power limit sustains; attention
+    FLOPs are counted as the full square (torch's counter, the MFU formula) and a causal kernel
+    computes half of it; memory-bound ops have no FLOPs."""
+    clock = clock_share(gpu, k)
+    return np.array([gpu.mamf_flops * k.matmul * clock, (gpu.mamf_f8_flops or np.nan) * k.matmul * clock,
+                     2 * gpu.attention_flops * clock, 2 * gpu.attention_bwd_flops * clock, np.inf])
+
+
+def compact(ops: list[tuple]) -> array:
+    """(FLOPs, bytes, class, kernels) per op as rows (FLOPs, bytes, class index, count, kernels),
+    equal ops merged, so a trace of thousands of ops keeps a few hundred rows, timed at once.
+    Plain doubles: a traced role comes back from its process pickled."""
+    merged: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for f, b, c, n in ops:
-        if n:
-            merged[f / n, b / n, c] += n
-    return tuple((f, b, c, n) for (f, b, c), n in merged.items())
+        if f or b or n:
+            row = merged[f, b, CLASSES.index(c)]
+            row[0] += 1
+            row[1] += n
+    return array("d", [x for (f, b, c), (m, n) in merged.items() for x in (f, b, c, m, n)])
 
 
-def compute_seconds(ops: tuple[tuple, ...], gpu: GPU, compiled: bool = False, k: Factors = FITTED) -> float:
-    """Compacted ops one after another; `compiled`: as a compiled block runs them (memory-bound
-    ops fused into fewer kernels moving a share of the bytes)."""
-    share = k.compiled if compiled else 1.0
-    return sum(n * (op_seconds(f, b * share, c, share, gpu, k) if c == "memory" else op_seconds(f, b, c, 1, gpu, k))
-               for f, b, c, n in ops)
+def compute_seconds(ops: array, gpu: GPU, k: Factors = FITTED) -> float:
+    """Compacted ops one after another: each the slower of its FLOPs at its class's rate and its
+    bytes at achievable HBM bandwidth, plus a launch gap per kernel."""
+    if not len(ops):
+        return 0.0
+    f, b, c, m, n = np.frombuffer(ops).reshape(-1, 5).T
+    t = np.maximum(f / _rates(gpu, k)[c.astype(int)], b / (gpu.hbm_bytes_per_s * k.hbm))
+    return float((m * t).sum() + n.sum() * k.kernel_gap_us * 1e-6)
 
 
 # Bytes each rank sends per byte of the full buffer, for ring algorithms on a group of n
@@ -132,7 +145,9 @@ class Unit:
 
     count: float
     """How many times the real model runs this unit (its blocks over its period)."""
-    ops: tuple[tuple, ...]
+    ops: array
+    compiled_ops: array
+    """The same ops as a compiled block runs them (titanlite.dryrun.replay._fused)."""
     comms: tuple
     period: int = 1
     """Blocks in the unit: an activation-checkpointing period under selective layer AC."""
@@ -143,10 +158,14 @@ class Work:
     """What one rank's traced step computes and sends, at the model's depth, in a form any GPU
     and any factors time (titanlite.dryrun.steptrace.Trace, compacted)."""
 
-    ops: tuple[tuple, ...]
+    ops: array
     comms: tuple
     units: tuple[Unit, ...]
     """One per kind of block the replay repeated (titanlite.dryrun.blocktrace)."""
+    block_ops: array
+    """The ops of every block (the units' repeats, the first, second and last blocks)."""
+    compiled_block_ops: array
+    """The same as compiled blocks run them."""
 
 
 @dataclass(frozen=True)
@@ -185,20 +204,24 @@ def step_times(work: Work, gpu: GPU, compiled: bool = False, k: Factors = FITTED
                    if (c.group in OVERLAPPED and c.phase != "optimizer") == overlapped
                    and (not edge or c.phase == "forward" or c.kind != "all_gather"))
 
-    blocks, eager, overlapped, edges = 0.0, 0.0, 0.0, 0.0
+    blocks, overlapped, edges, unit_compute = 0.0, 0.0, 0.0, 0.0
     for u in work.units:
-        c, o = compute_seconds(u.ops, gpu, compiled, k), comm_s(u.comms, True)
+        c, o = compute_seconds(u.compiled_ops if compiled else u.ops, gpu, k), comm_s(u.comms, True)
         blocks += u.count * _overlap(c, o, k.contention)
-        eager += u.count * compute_seconds(u.ops, gpu, False, k)
+        unit_compute += u.count * c
         overlapped += u.count * o
         edges = max(edges, comm_s(u.comms, True, edge=True) / u.period)
-    return StepTimes(blocks, compute_seconds(work.ops, gpu, False, k) - eager, comm_s(work.comms, True) - overlapped,
-                     comm_s(work.comms, False), edges, k.contention)
+    # the rest: what runs outside the blocks (eager), and the blocks no unit stands for (compiled
+    # if the job is)
+    rest = (compute_seconds(work.ops, gpu, k) - compute_seconds(work.block_ops, gpu, k)
+            + compute_seconds(work.compiled_block_ops if compiled else work.block_ops, gpu, k) - unit_compute)
+    return StepTimes(blocks, rest, comm_s(work.comms, True) - overlapped, comm_s(work.comms, False), edges,
+                     k.contention)
 
 
 def matmul_bound(gpu: GPU) -> float:
     """The fastest a step's GEMMs run on `gpu` by this model: the planner's speed bound."""
-    return gpu.mamf_flops * FITTED.matmul
+    return gpu.mamf_flops * FITTED.matmul * clock_share(gpu, FITTED)
 
 
 QUORUM_S = 0.05
