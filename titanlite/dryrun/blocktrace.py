@@ -58,6 +58,8 @@ class Selection:
     period: int
     kinds: dict[str, int]
     """The model's blocks by kind (a name for each: the module types not every block has)."""
+    sizes: tuple[int, ...]
+    """Blocks traced per pipeline stage (one entry without stages)."""
 
 
 def block_kinds(spec: ModelSpec, args) -> list[tuple]:
@@ -74,32 +76,64 @@ def _kind_name(block: tuple, common: set[str]) -> str:
     return ("+".join(sorted({t for _, t, _ in modules} - common)) or "block") + (f" (window {window})" if window else "")
 
 
+MARGIN = 2
+"""Blocks of its own kind a repeated block needs on either side (FSDP's reach, above)."""
+
+
 def select(plan: Plan, period: int, full: bool) -> Selection:
-    """Per stage (the whole model without pipeline stages): blocks 0, 1 and the last; for each
-    kind of period of `period` consecutive blocks from block 2 on, its first (all of them if
-    `full`); the few blocks left before the last. A stage of fewer than period + 3 blocks is
-    traced whole."""
+    """Per stage (the whole model without pipeline stages): blocks 0, 1 and the last; the periods
+    of `period` consecutive blocks from block 2 on, one of each kind standing for the others of
+    its kind (all of them, each for itself, if `full`); the few blocks left before the last. A
+    stage of fewer than period + 3 blocks is traced whole.
+
+    FSDP gathers and reduces the parameters of the blocks around the one that runs (the next in
+    forward; in backward up to two before it and the one after), so a repeated block must sit
+    between MARGIN blocks of its own kind on either side, or each repeat would gather the wrong
+    kind: where the traced neighbours differ, MARGIN more blocks of its kind are traced beside
+    it, each counted as itself. A stage with more than one kind under selective layer AC (a
+    period of several blocks) is traced whole. Every traced period is a unit
+    (titanlite.dryrun.timing), its own or standing for others."""
     kinds = block_kinds(plan.spec, plan.args)
     common = set.intersection(*({t for _, t, _ in modules} for modules, _ in kinds))
     ranges = [(0, plan.args.n_layers)] if plan.stages is None else list(plan.stages.blocks)
-    chosen, units, named = [], [], {}
+    chosen, units, named, sizes = [], [], {}, []
     for kind in kinds:
         named[_kind_name(kind, common)] = named.get(_kind_name(kind, common), 0) + 1
     for a, b in ranges:
+        start = len(chosen)
         if b - a < period + 3:
             chosen += range(a, b)
+            sizes.append(len(chosen) - start)
             continue
         windows = list(range(a + 2, b - period, period))
-        first: dict[tuple, list[int]] = {}
-        for w in windows:
-            first.setdefault(tuple(kinds[w:w + period]), []).append(w)
-        picks = [(w, 1) for w in windows] if full else [(ws[0], len(ws)) for ws in first.values()]
         chosen += [a, a + 1]
-        for w, times in picks:
-            units.append(UnitPlan(len(chosen), times))
-            chosen += range(w, w + period)
+        classes: dict[tuple, list[int]] = {}
+        for w in windows:
+            classes.setdefault(tuple(kinds[w:w + period]), []).append(w)
+        if full or (len(classes) > 1 and period > 1):  # every period traced as itself
+            for w in windows:
+                units.append(UnitPlan(len(chosen), 1))
+                chosen += range(w, w + period)
+        else:
+            # the kind whose last period comes last is traced last: the first blocks backward
+            # runs (while most activations are held) are of the kinds the model ends with
+            order = sorted(classes.items(), key=lambda kv: kv[1][-1])
+            tail = [kinds[j] for j in range(windows[-1] + period, b)][:MARGIN]
+            for i, (key, ws) in enumerate(order):
+                after = [order[i + 1][0][0]] if i + 1 < len(order) else tail
+                before = MARGIN * (any(kinds[c] != key[0] for c in chosen[-MARGIN:]))
+                after = MARGIN * (any(k != key[0] for k in after))
+                if len(ws) <= before + after + 1:  # nothing to repeat: each traced as itself
+                    picks = [(w, 1) for w in ws]
+                else:
+                    picks = ([(w, 1) for w in ws[:before]] + [(ws[before], len(ws) - before - after)]
+                             + [(w, 1) for w in ws[len(ws) - after:]])
+                for w, times in picks:
+                    units.append(UnitPlan(len(chosen), times))
+                    chosen += range(w, w + period)
         chosen += range(windows[-1] + period, b)
-    return Selection(tuple(chosen), tuple(units), period, named)
+        sizes.append(len(chosen) - start)
+    return Selection(tuple(chosen), tuple(units), period, named, tuple(sizes))
 
 
 def shallow_plan(plan: Plan, selection: Selection) -> Plan:
@@ -117,8 +151,7 @@ def shallow_plan(plan: Plan, selection: Selection) -> Plan:
                                   args=dataclasses.replace(args, n_layers=len(chosen)))
     if plan.stages is None:
         return shallow
-    ends = [next(j for j, r in enumerate(chosen) if r >= b) if b < args.n_layers else len(chosen)
-            for _, b in plan.stages.blocks]
+    ends = [sum(selection.sizes[:i + 1]) for i in range(len(selection.sizes))]
     stages = dataclasses.replace(plan.stages, blocks=tuple(zip([0, *ends[:-1]], ends)))
     return dataclasses.replace(shallow, stages=stages)
 
