@@ -209,12 +209,11 @@ def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
 
 def test_a_stack_of_different_blocks_is_traced_per_kind(monkeypatch):
     """Qwen3.5's hybrid stack (12 linear- and 4 full-attention blocks of 16, Qwen3.5 9B's pattern)
-    over FSDP 2, traced with one linear block standing for six: its replay equals every block
-    traced (peaks, collectives, FLOPs; the step time to 0.5%), and its FLOPs are the sum of its blocks':
-    12/16 of an all-linear stack's and 4/16 of an all-full one's (everything else is the same).
-    DeepSeek-V3's 3 dense and 9 MoE blocks with its MTP depth, one MoE block standing for six,
-    replay the same way. (Replaying one block for every middle block counted the hybrid as 14
-    linear and 2 full, DeepSeek-V3's MoE blocks as dense.)"""
+    over FSDP 2, traced with one linear block standing for six: its FLOPs are the sum of its
+    blocks', 12/16 of an all-linear stack's and 4/16 of an all-full one's (everything else is the
+    same). DeepSeek-V3's 3 dense and 9 MoE blocks with its MTP depth, one MoE block standing for
+    six: its replay equals every block traced. (Replaying one block for every middle block counted
+    the hybrid as 14 linear and 2 full, DeepSeek-V3's MoE blocks as dense.)"""
     spec = get_model_spec("qwen3_5")
     hybrid = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(16))
     stacks = {"hybrid": hybrid, "linear": ("linear_attention",) * 16, "full": ("full_attention",) * 16}
@@ -227,12 +226,9 @@ def test_a_stack_of_different_blocks_is_traced_per_kind(monkeypatch):
         result = dry_run(cfg, 2)
         flops[name] = result["_roles"][0].flops
         if name == "hybrid":
-            assert sorted(result["block_kinds"].values()) == [4, 12]
-            (every,) = dry_run(cfg, 2, full=True)["_roles"]
             # blocks 0, 1, the 3 middle full ones, 2 + 1 + 2 linear (the repeated one between
             # two of its kind on either side: the blocks FSDP gathers around it), the last
-            assert result["_roles"][0].traced_blocks == 11 and every.traced_blocks == 16
-            _assert_same_trace(result["_roles"][0], every, split=False)
+            assert sorted(result["block_kinds"].values()) == [4, 12] and result["_roles"][0].traced_blocks == 11
     assert flops["hybrid"] == pytest.approx((12 * flops["linear"] + 4 * flops["full"]) / 16, rel=1e-9)
     assert flops["full"] != pytest.approx(flops["linear"], rel=0.01)  # the kinds differ, so the sum tells
     spec = get_model_spec("deepseek_v3")
