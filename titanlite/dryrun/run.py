@@ -285,6 +285,7 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
             "memory_gib_by_phase": {p: peaks[p]["total"] / GIB for p in PHASES},
             "peak_gib_eager": role.peaks[role.peak_phase]["total"] / GIB,
+            "peak_gib_compiled": (lambda p, ph: p[ph]["total"])(*role.peaks_as(True)) / GIB,
             "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
