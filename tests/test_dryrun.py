@@ -14,6 +14,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from harness import REPO, _env
@@ -23,7 +24,7 @@ from titanlite.config import load as config
 from titanlite.dryrun import run as dryrun_module
 
 from titanlite.preflight import make_plan
-from titanlite.dryrun import hardware
+from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.run import dry_run, main, report
 from titanlite.model_spec import get_model_spec
 from titanlite.dryrun.steptrace import OWN_FLOPS, PHASES
@@ -146,17 +147,36 @@ def test_the_loss_holds_one_chunk_of_float32_logits(monkeypatch):
     assert peaks[1 << 40] - peaks[1 << 28] > 2**30, peaks
 
 
-def _assert_same_trace(a, b) -> None:
+def _assert_same_trace(a, b, split: bool = True, peak_abs: int = 0) -> None:
+    """The same peaks, collectives, FLOPs and time terms. `split` False (a hybrid stack): the same
+    compute (every op's FLOPs and bytes), and the step time and kernel count to 1%: a block
+    beside a change of kind carries the FSDP traffic of the blocks around it, which the replay
+    takes from blocks of one kind (the sums match, each block's overlap with it differs), and an
+    op over many blocks' tensors (the optimizer step, a stack of every layer's statistics) is one
+    launch, which the replay shares among the repeats by bytes. `peak_abs`: bytes the peaks may
+    differ by."""
     for phase in PHASES:
-        assert a.peaks[phase] == pytest.approx(b.peaks[phase], rel=1e-9), phase
+        assert a.peaks[phase] == pytest.approx(b.peaks[phase], rel=1e-9, abs=peak_abs), phase
     assert a.comms.keys() == b.comms.keys()
     for key, c in b.comms.items():
         assert a.comms[key]["count"] == c["count"] and a.comms[key]["bytes"] == pytest.approx(c["bytes"]), key
     assert a.flops == pytest.approx(b.flops, rel=1e-12)
     # the time terms, split into what each block adds and the rest, within 1e-6 of the step: an
     # op's share in a block's tensors (the optimizer's, say) is counted by the bytes it reads
-    for gpu, times in b.times.items():
-        assert dataclasses.asdict(a.times[gpu]) == pytest.approx(dataclasses.asdict(times), abs=1e-6 * times.step()), gpu
+    for gpu in hardware.GPUS.values():
+        for compiled in (False, True):
+            times = b.times(gpu, compiled)
+            if split:
+                assert dataclasses.asdict(a.times(gpu, compiled)) == pytest.approx(dataclasses.asdict(times),
+                                                                                   abs=1e-6 * times.step()), gpu.name
+            else:
+                assert a.times(gpu, compiled).step() == pytest.approx(times.step(), rel=0.01), gpu.name
+                no_gap = dataclasses.replace(timing.FITTED, kernel_gap_us=0.0)
+                assert timing.compute_seconds(a.work.ops, gpu, no_gap) == pytest.approx(
+                    timing.compute_seconds(b.work.ops, gpu, no_gap), rel=1e-5), gpu.name
+    if not split:
+        kernels = [sum(np.frombuffer(r.work.ops).reshape(-1, 5)[:, 4]) for r in (a, b)]
+        assert kernels[0] == pytest.approx(kernels[1], rel=0.01), kernels
 
 
 def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
@@ -177,13 +197,50 @@ def test_pipeline_replay_equals_every_block_and_microbatch(monkeypatch):
     replayed = dry_run(cfg, 8)["_roles"]
     every = dry_run(cfg, 8, full=True)["_roles"]
     assert [r.rank for r in replayed] == [0, 4]
-    assert [r.traced_blocks for r in replayed] == [4, 4] and [r.traced_blocks for r in every] == [5] * 2
+    # four blocks of each stage of 5-6 (its first two, one standing for the middle ones, its last)
+    assert [r.traced_blocks for r in replayed] == [16, 16] and [r.traced_blocks for r in every] == [22] * 2
     # 3 of 6 micro-batches skipped on each of a rank's two stages: their forward and backward
     # calls (and the last stage's loss) counted as copies
     assert [r.copied_calls for r in replayed] == [3 * 2 * 2, 3 * (2 * 2 + 1)]
     assert [r.copied_calls for r in every] == [0, 0]
     for a, b in zip(replayed, every):
         _assert_same_trace(a, b)
+
+
+def test_a_stack_of_different_blocks_is_traced_per_kind(monkeypatch):
+    """Qwen3.5's hybrid stack (12 linear- and 4 full-attention blocks of 16, Qwen3.5 9B's pattern)
+    over FSDP 2, traced with one linear block standing for six: its FLOPs are the sum of its
+    blocks', 12/16 of an all-linear stack's and 4/16 of an all-full one's (everything else is the
+    same). DeepSeek-V3's 3 dense and 9 MoE blocks with its MTP depth, one MoE block standing for
+    six: its replay equals every block traced. (Replaying one block for every middle block counted
+    the hybrid as 14 linear and 2 full, DeepSeek-V3's MoE blocks as dense.)"""
+    spec = get_model_spec("qwen3_5")
+    hybrid = tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(16))
+    stacks = {"hybrid": hybrid, "linear": ("linear_attention",) * 16, "full": ("full_attention",) * 16}
+    flops = {}
+    for name, kinds in stacks.items():
+        monkeypatch.setitem(spec.flavors, name, dataclasses.replace(spec.flavors["debugmodel"], n_layers=16,
+                                                                   layer_types=kinds))
+        cfg, _ = config.load(["--config", "qwen3_5_debug.toml", "--model.flavor", name, "--training.seq_len", "64",
+                              "--training.local_batch_size", "1"])
+        result = dry_run(cfg, 2)
+        flops[name] = result["_roles"][0].flops
+        if name == "hybrid":
+            # blocks 0, 1, the 3 middle full ones, 2 + 1 + 2 linear (the repeated one between
+            # two of its kind on either side: the blocks FSDP gathers around it), the last
+            assert sorted(result["block_kinds"].values()) == [4, 12] and result["_roles"][0].traced_blocks == 11
+    assert flops["hybrid"] == pytest.approx((12 * flops["linear"] + 4 * flops["full"]) / 16, rel=1e-9)
+    assert flops["full"] != pytest.approx(flops["linear"], rel=0.01)  # the kinds differ, so the sum tells
+    spec = get_model_spec("deepseek_v3")
+    monkeypatch.setitem(spec.flavors, "mixed", dataclasses.replace(spec.flavors["debugmodel"], n_layers=12,
+                                                                  n_dense_layers=3))
+    cfg, _ = config.load(["--config", "deepseek_v3_debug.toml", "--model.flavor", "mixed", "--training.seq_len", "64",
+                          "--training.local_batch_size", "1"])
+    result = dry_run(cfg, 2)
+    assert sorted(result["block_kinds"].values()) == [3, 9] and result["_roles"][0].traced_blocks == 7
+    # the optimizer phase's stack of every MoE layer's loads (the router-bias hook) has the traced
+    # layers' rows only (4 of 9: a few hundred bytes)
+    _assert_same_trace(result["_roles"][0], dry_run(cfg, 2, full=True)["_roles"][0], split=False, peak_abs=256)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -269,6 +326,9 @@ def test_cli_writes_the_report(tmp_path, capsys):
     (["--ngpu", "2", "--rank", "2"], "--rank 2 is outside the world of 2 ranks"),
     (["--ngpu", "0"], "--ngpu: expected a positive integer, got '0'"),
     (["--full=yes"], "--full takes no value, got '--full=yes'"),
+    (["--power-limit", "many"], "--power-limit: expected watts (a positive number), got 'many'"),
+    (["--power-limit", "0"], "--power-limit: expected a positive number of watts, got 0"),
+    (["--float8.enable", "true", "--gpu", "a100"], "float8.enable: the a100 has no float8 matmuls"),
     (["--training.local_batch_size", "4096", "--training.seq_len", "1024"], "exceeds the h100's 79.6 GiB"),
 ])
 def test_bad_input_is_one_line(argv, expect, capsys):

@@ -69,13 +69,35 @@ def test_numerics_and_prediction_judged():
                        "device_bf16": [x * 1.03 for x in LOSSES]}
     run = {"model": "llama3 1B", "layout": "dp_shard 1", "local_batch_size": 2, "seq_len": 8192,
            "tokens_per_sec_per_device": 14000.0, "mfu_pct": 30.0, "peak_memory_gib": 30.0}
-    pred = {"predicted": {"tokens_per_sec_per_gpu": 20000.0, "mfu_pct": 40.0}, "roles": [{"memory_gib": {"peak": 28.0}}]}
+    pred = {"predicted": {"tokens_per_sec_per_gpu": 20000.0, "mfu_pct": 40.0, "gpu": "h100", "power_w": 500.0},
+            "roles": [{"memory_gib": {"peak": 28.0}}]}
     rows = assess({"ranks": [bad]}, run, pred, {**OPTS, "skip_run": False})
     assert _status(rows, "numerics fp32") == "FAIL" and _status(rows, "numerics bf16") == "FAIL"
     notes = [r["note"] for r in rows if r["check"].startswith("numerics")]
     assert notes == ["first 5 losses: 2.0e-04 is over the bound 1e-04", "3.0% of the fp32 loss, over the bound 2%"]
     assert _status(rows, "job tokens/s") == "FAIL"  # 30% below the prediction, past the 25% tolerance
-    assert "-30.0%" in next(r["reference"] for r in rows if r["check"].startswith("job tokens/s"))
+    # the prediction is for this GPU at the power limit its driver enforces
+    assert next(r["reference"] for r in rows if r["check"].startswith("job tokens/s")) == \
+        "dry run 20,000 on h100 at 500 W (-30.0%)"
+    assert next(r["reference"] for r in rows if r["check"] == "job peak memory") == "dry run 28.00 GiB (+7.1%)"
+
+
+def test_power_limit_is_the_driver_s(tmp_path, monkeypatch):
+    """The enforced power limit as nvidia-smi reports it, passed to the dry run; none without a
+    driver (a CPU machine: the run's rows say n/a)."""
+    from titanlite.tools.healthcheck import power_limit_w, run_rows
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "$@" > ' + str(tmp_path / "args") + "\necho 500.00\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert power_limit_w() == 500.0 and "power.limit" in (tmp_path / "args").read_text()
+    smi.unlink()
+    assert power_limit_w() is None
+    run = {"model": "llama3 debugmodel", "layout": "dp_shard 2", "local_batch_size": 2, "seq_len": 64,
+           "tokens_per_sec_per_device": 900.0, "mfu_pct": None, "peak_memory_gib": 0.1}
+    rows = run_rows(run, None, {**OPTS, "skip_run": False})
+    assert all(r["note"].endswith("(power limit: n/a)") for r in rows)
 
 
 def test_cpu_healthcheck_runs_and_fails_on_injected_faults(tmp_path):

@@ -150,7 +150,7 @@ def bound(lay: Layout, plan: Plan, seq_len: int, gpu: hardware.GPU, gpus_per_nod
     peak = 16 * stage_params / shard + gathered + saved + tokens * args.vocab_size / lay.tp * 2
     step_tokens = plan.global_batch_size * seq_len
     compute = (plan.spec.flops_per_token(args, seq_len) * step_tokens / ngpu * _RECOMPUTE[lay.ac]
-               / (gpu.mamf_flops * timing.MATMUL_SUSTAINED))
+               / timing.matmul_bound(gpu))
 
     def link_s(nbytes: float, span: int) -> float:
         """`nbytes` at NCCL's bandwidth over a group of ranks `span` apart in the world."""
@@ -189,7 +189,7 @@ def layout_of(cfg: JobConfig, plan: Plan) -> Layout:
 
 def _base(argv: list[str], ngpu: int) -> tuple[JobConfig, Plan]:
     cfg, _ = config_load.load(argv)
-    return cfg, make_plan(dry_config(cfg), ngpu)
+    return cfg, make_plan(dry_config(cfg), ngpu, "cuda")
 
 
 def search(argv: list[str], ngpu: int, gpu: hardware.GPU, gpus_per_node: int = 8, top: int = 5,

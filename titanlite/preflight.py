@@ -69,9 +69,10 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     return plan
 
 
-def make_plan(cfg: JobConfig, world_size: int) -> Plan:
+def make_plan(cfg: JobConfig, world_size: int, target: str | None = None) -> Plan:
     """The Plan, and every check of it that reads no data (the dry run and the planner plan any
-    size of job without it)."""
+    size of job without it). `target`: the device the job is planned for when it is not this
+    machine's (the dry run of a CUDA job on a CPU)."""
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     spec = get_model_spec(cfg.model.name)
     args = model_args(spec, cfg.model.flavor, cfg.model.vocab_size, cfg.training.seq_len, cfg.moe,
@@ -91,7 +92,7 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
         raise ConfigError(f"training.seq_len {cfg.training.seq_len} is not divisible by "
                           f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
-    float8.preflight(cfg.float8, cfg.training.device, dims.tp)
+    float8.preflight(cfg.float8, target or cfg.training.device, dims.tp, here=target is None)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "

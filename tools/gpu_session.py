@@ -55,14 +55,18 @@ def step(work: Path, name: str, fit: str | None, overrides: list[str]) -> int:
 
 
 def _prediction(dry: dict | None, compiled: bool) -> dict | None:
-    """The dry run's report with the step's mode (eager or compiled) as its prediction: one trace
-    times both, so one dry run serves a config's eager and compiled steps."""
+    """The dry run's report with the step's mode (eager or compiled) as its prediction, time and
+    peak: one trace serves both, so one dry run serves a config's eager and compiled steps."""
     if dry is None:
         return None
     p = dry["predicted"]
     eager, comp = p["tokens_per_sec_per_gpu_eager"], p["tokens_per_sec_per_gpu_compiled"]
     tps = comp if compiled else eager
-    return {**dry, "predicted": {**p, "tokens_per_sec_per_gpu": tps, "mfu_pct": p["mfu_pct"] * tps / p["tokens_per_sec_per_gpu"]}}
+    # and the peak of that mode (a compiled block keeps less for backward)
+    key = "peak_gib_compiled" if compiled else "peak_gib_eager"
+    roles = [{**r, "memory_gib": {**r["memory_gib"], "peak": r.get(key, r["memory_gib"]["peak"])}} for r in dry["roles"]]
+    return {**dry, "roles": roles,
+            "predicted": {**p, "tokens_per_sec_per_gpu": tps, "mfu_pct": p["mfu_pct"] * tps / p["tokens_per_sec_per_gpu"]}}
 
 
 def report(work: Path, out: Path, tolerance: float | None) -> None:

@@ -97,7 +97,7 @@ export WORK
 FACTS='
 import importlib.metadata as md, importlib.util, os, platform, subprocess, sys
 import torch
-from titanlite.tools.healthcheck import datasheet
+from titanlite.tools.healthcheck import datasheet, power_limit_w
 have = {p: md.version(p) for p in ("triton", "transformers", "torchao", "torchdata") if importlib.util.find_spec(p)}
 line = (f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()} ({sys.executable}), "
         f"torch {torch.__version__}, " + ", ".join(f"{k} {v}" for k, v in have.items()))
@@ -110,6 +110,9 @@ if torch.cuda.is_available():
              f"driver {smi[0]}, CUDA {torch.version.cuda}, NCCL {nccl}")
     g = datasheet(p.name)
     open(os.environ["WORK"] + "/gpu", "w").write(g.name if g else "")
+    watts = power_limit_w()  # the dry runs predict at the limit the driver enforces
+    line += f", power limit {watts:.0f} W" if watts else ", power limit unknown"
+    open(os.environ["WORK"] + "/power", "w").write(f"{watts:g}" if watts else "")
 else:
     line += "; no CUDA: a smoke test of the session on CPU"
 open(os.environ["WORK"] + "/facts.txt", "w").write(line)
@@ -131,7 +134,9 @@ dry_run() {  # out_json overrides...: the dry run on the host CPU, beside the GP
     echo "no dry run: titanlite.dryrun.hardware has no figures for this GPU" > "$WORK/$out.log"
     return
   fi
-  timeout -k 5 240 $PY -m titanlite.dryrun --ngpu 1 --gpu "$GPU" --out "$WORK/$out" "$@" > "$WORK/$out.log" 2>&1 &
+  local power=()
+  [[ -s "$WORK/power" ]] && power=(--power-limit "$(cat "$WORK/power")")
+  timeout -k 5 240 $PY -m titanlite.dryrun --ngpu 1 --gpu "$GPU" "${power[@]}" --out "$WORK/$out" "$@" > "$WORK/$out.log" 2>&1 &
 }
 
 L1=(--config llama_1b.toml --activation_checkpoint.mode selective)

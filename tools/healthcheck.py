@@ -18,7 +18,8 @@ On one process per GPU (torchrun, NCCL; on a CPU machine gloo ranks at tiny size
 - features: compile, float8, flex attention (forward + backward against sdpa), varlen;
 - a short run of the job (the config given, else llama3 1B with selective AC on this node; on
   CPU the debug model at seq 64) for --warmup + --steps steps: tokens/s per GPU, MFU and peak
-  memory next to the dry run's prediction, with the error in percent; it fails when tokens/s
+  memory next to the dry run's prediction for this GPU at the power limit its driver enforces
+  (nvidia-smi's power.limit; n/a on a CPU), with the error in percent; it fails when tokens/s
   fall more than --tolerance below the prediction.
 A table at the end, --out FILE (JSON), exit 1 when anything fails, 2 on bad input.
 
@@ -75,6 +76,17 @@ def _inject() -> dict[str, set[int]]:
             raise ConfigError(f"TITANLITE_HEALTH_INJECT: bad item '{item}'; expected slow_matmul:RANK or bad_numerics:RANK")
         out[kind].add(int(rank))
     return out
+
+
+def power_limit_w() -> float | None:
+    """GPU 0's enforced power limit in watts, as the driver reports it (nvidia-smi), or None
+    (no NVIDIA driver here: a CPU, or a machine without nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=power.limit", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return float(out[0])
+    except (OSError, IndexError, ValueError, subprocess.TimeoutExpired):
+        return None
 
 
 def facts(device: torch.device) -> dict:
@@ -205,7 +217,7 @@ def run_rows(run: dict | None, pred: dict | None, opts: dict, run_error: str = "
     what = f"{run['model']}, {run['layout']}, batch {run['local_batch_size']}x{run['seq_len']}"
     mfu = "-" if run["mfu_pct"] is None else f"{run['mfu_pct']:.1f}%"
     if pred is None:
-        note = pred_error or "no prediction: the dry run has no figures for this device"
+        note = pred_error or "no prediction: the dry run has no figures for this device (power limit: n/a)"
         return [_row(f"{name} tokens/s/device ({what})", "INFO", f"{run['tokens_per_sec_per_device']:,.0f}", "", note),
                 _row(f"{name} MFU", "INFO", mfu, "", note),
                 _row(f"{name} peak memory", "INFO", f"{run['peak_memory_gib']:.2f} GiB", "", note)]
@@ -214,20 +226,26 @@ def run_rows(run: dict | None, pred: dict | None, opts: dict, run_error: str = "
     err = run["tokens_per_sec_per_device"] / p["tokens_per_sec_per_gpu"] - 1
     slow = opts["tolerance"] is not None and err < -opts["tolerance"]
     status = "INFO" if opts["tolerance"] is None else "FAIL" if slow else "PASS"  # None: figures, no judgement
+    # the GPU the prediction is for, at the power limit the driver enforces (its sustained clocks)
+    at = f" on {p['gpu']} at {p['power_w']:.0f} W" if "power_w" in p else ""
     return [_row(f"{name} tokens/s/GPU ({what})", status, f"{run['tokens_per_sec_per_device']:,.0f}",
-                 f"dry run {p['tokens_per_sec_per_gpu']:,.0f} ({err:+.1%})",
+                 f"dry run {p['tokens_per_sec_per_gpu']:,.0f}{at} ({err:+.1%})",
                  f"more than {opts['tolerance']:.0%} below the prediction" if slow else ""),
             _row(f"{name} MFU", "INFO", mfu, f"dry run {p['mfu_pct']:.1f}%"),
             _row(f"{name} peak memory", "INFO", f"{run['peak_memory_gib']:.2f} GiB",
                  f"dry run {peak:.2f} GiB ({run['peak_memory_gib'] / peak - 1:+.1%})")]
 
 
-def start_dry_run(gpu: hardware.GPU | None, ngpu: int, run_argv: list[str], out: Path) -> subprocess.Popen | None:
-    """The dry run's prediction of the job on `gpu`, on the host's CPU beside the GPU work."""
+def start_dry_run(gpu: hardware.GPU | None, ngpu: int, run_argv: list[str], out: Path,
+                  power_w: float | None = None) -> subprocess.Popen | None:
+    """The dry run's prediction of the job on `gpu` at the power limit the driver enforces, on
+    the host's CPU beside the GPU work."""
     if gpu is None:
         return None
+    power = [] if power_w is None else ["--power-limit", f"{power_w:g}"]
     return subprocess.Popen([sys.executable, "-m", "titanlite.dryrun", "--ngpu", str(ngpu), "--gpu", gpu.name,
-                             "--out", str(out), *run_argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *power, "--out", str(out), *run_argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def finish_dry_run(dry: subprocess.Popen | None, out: Path) -> tuple[dict | None, str]:
@@ -321,7 +339,8 @@ def healthcheck(opts: dict, rest: list[str]) -> int:
               f"{CPU_FLOORS['membw_gbps']:g} GB/s per rank), gloo collectives, the debug model's losses, compile, "
               "and a short run of the debug model", flush=True)
     gpu = datasheet(torch.cuda.get_device_name(0)) if cuda else None
-    dry = None if opts["skip_run"] else start_dry_run(gpu, ngpu, run_argv, tmp / "dryrun.json")
+    power = power_limit_w() if cuda else None
+    dry = None if opts["skip_run"] else start_dry_run(gpu, ngpu, run_argv, tmp / "dryrun.json", power)
     result = tmp / "checks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", *_launch_args(), f"--nproc_per_node={ngpu}",
            "-m", "titanlite.tools.healthcheck", "--_role", "checks", "--_result", str(result)]
@@ -336,10 +355,13 @@ def healthcheck(opts: dict, rest: list[str]) -> int:
     pred, dry_error = finish_dry_run(dry, tmp / "dryrun.json")
     rows = assess(checks, run, pred, opts, run_error, dry_error)
     f = checks["ranks"][0]
+    watts = "n/a" if power is None else f"{power:.0f} W"
     line = (f"{f['host']}: {checks['world_size']} rank(s), {checks['local_world_size']} per node, {f['gpu']}"
-            + (f" {f['memory_gib']} GiB, driver {f['driver']}, CUDA {f['cuda']}, NCCL {f['nccl']}" if cuda else "")
+            + (f" {f['memory_gib']} GiB, driver {f['driver']}, power limit {watts}, CUDA {f['cuda']}, NCCL {f['nccl']}"
+               if cuda else "")
             + f", torch {f['torch']}")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "facts": line, "rows": rows,
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "facts": line, "power_limit_w": power,
+              "rows": rows,
               "checks": checks, "run": run, "prediction": None if pred is None else pred["predicted"],
               "seconds": time.perf_counter() - start}
     if opts["out"]:

@@ -1,6 +1,7 @@
 """Dry run of one real training step at any scale, on one CPU process, allocating nothing:
 
-    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--rank R] [--out FILE] [--full] [--section.key value ...]
+    python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--power-limit W] [--rank R] [--out FILE] [--full]
+                               [--section.key value ...]
     python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's pre-launch check)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
@@ -9,9 +10,9 @@ real model build and parallelize, and one real step (forward, backward, gradient
 clipping, AdamW). titanlite.dryrun.steptrace watches it: peak memory by category, collectives,
 FLOPs. titanlite.dryrun.hardware turns that into a predicted step time for a named GPU.
 
-Blocks are identical, so the step is traced with a few blocks (per pipeline stage) and replayed
-as the model's depth would run it, one block (or activation-checkpointing period, for `selective`
-layer AC) repeated (titanlite.dryrun.blocktrace); a pipeline stage runs three micro-batches and counts
+The step is traced with a few of the model's blocks (per pipeline stage) and replayed as the
+model's depth would run it, one block (or activation-checkpointing period, for `selective` layer
+AC) of each kind repeated as often as the model has it (titanlite.dryrun.blocktrace); a pipeline stage runs three micro-batches and counts
 the others as copies (titanlite.dryrun.pptrace). `--full` traces every block and micro-batch. See docs/scaling.md.
 """
 
@@ -37,7 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from titanlite.config import load as config_load
 
 from titanlite.dryrun import hardware, timing
-from titanlite.dryrun.blocktrace import BlockWatch, traced_depth
+from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
@@ -48,11 +49,12 @@ from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.dryrun.phases import phase_times
 from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.dryrun.standins import TracedReferee, fake_routing
+from titanlite.dryrun.standins import TracedReferee, fake_routing, fused_norms
 from titanlite.loop import Update, one_step
 from titanlite.model_spec import in_model_code
 from titanlite.preflight import Plan, check_attention, make_plan, preflight
-from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer, Trace
+from titanlite.dryrun.replay import Trace, result as replay
+from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
@@ -92,40 +94,22 @@ def group_names(meshes) -> dict:
     return names
 
 
-def stage_depth(plan: Plan) -> int:
-    """The depth the step is extrapolated in: the model's blocks, or with pipeline stages the
-    smallest stage's (every stage is traced that many blocks short of its real count)."""
-    if plan.stages is None:
-        return plan.args.n_layers
-    return min(b - a for a, b in plan.stages.blocks)
-
-
-def shallow_plan(plan: Plan, k: int) -> Plan:
-    """The plan with `k` blocks, or every pipeline stage (n - k) blocks short (same schedule,
-    placement and micro-batches)."""
-    if plan.stages is None:
-        return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=k))
-    short = stage_depth(plan) - k
-    counts = [b - a - short for a, b in plan.stages.blocks]
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    stages = dataclasses.replace(plan.stages, blocks=tuple((s, s + c) for s, c in zip(starts, counts)))
-    return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=sum(counts)), stages=stages)
-
-
-def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: FakeTensorMode, period: int = 1,
+def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection, fake: FakeTensorMode,
                device: str = "cuda", full: bool = False) -> Trace:
-    """Set the model up with `n_blocks` blocks (per stage: see stage_depth) as train.py does and
-    trace one step, replayed as the model's full depth would run it: blocks 2 .. period + 1 of
-    each stage (a whole AC period) repeated to that depth, in forward and backward, for each
-    traced micro-batch (three per stage unless `full`: titanlite.dryrun.pptrace), with what those
-    blocks hold and gather outside their own spans."""
+    """Set the model up with the selected blocks (titanlite.dryrun.blocktrace.select) as train.py
+    does and trace one step, replayed as the model's full depth would run it: each unit (a block
+    period of one kind) repeated as often as the stage runs its kind, in forward and backward,
+    for each traced micro-batch (three per stage unless `full`: titanlite.dryrun.pptrace), with
+    what those blocks hold and gather outside their own spans."""
     from titanlite.train import build_parts, build_step, parallelize_options
 
-    t, dims, n = cfg.training, plan.dims, stage_depth(plan)
-    plan = shallow_plan(plan, n_blocks)
+    t, dims = cfg.training, plan.dims
+    plan = shallow_plan(plan, selection)
     opts = parallelize_options(cfg, dims, getattr(torch, t.mixed_precision_param), plan.lora)
     parts = build_parts(plan, meshes, opts)  # on meta, outside fake mode: mesh bookkeeping is real
     fake_routing(parts, device)
+    if device == "cuda":
+        fused_norms(parts)
     accum = plan.global_batch_size // (t.local_batch_size * dims.dp)
     tracer = StepTracer(group_names(meshes))
     with fake:
@@ -160,15 +144,14 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, n_blocks: int, fake: 
         tracer.start()
         handles = [register_optimizer_step_pre_hook(lambda *_: tracer.set_phase("optimizer")),
                    *(part.register_forward_pre_hook(lambda *_: tracer.set_phase("forward")) for part in parts)]
-        watch = BlockWatch(parts, plan.spec, tracer, n_blocks, period)
+        watch = BlockWatch(parts, plan.spec, tracer, selection)
         with tracer:  # train.py's loop body, less checkpointing and logging
             one_step(step, batches, update, TracedReferee(watch))
         for h in handles:
             h.remove()
         watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        return tracer.result([*weights, *buffers], grads, state, times=(n - n_blocks) // period + 1,
-                             **watch.replay(optimizers))
+        return replay(tracer, [*weights, *buffers], grads, state, **watch.replay(optimizers))
 
 
 @dataclasses.dataclass
@@ -179,36 +162,46 @@ class Role:
     peaks: dict[str, dict[str, float]]
     comms: dict[tuple[str, str, str], dict]
     flops: float
-    times: dict[tuple[str, bool], timing.StepTimes]
-    """By GPU and whether the blocks are compiled (one eager trace times both)."""
+    work: timing.Work
+    """What the step computes and sends, for timing.step_times on any GPU."""
     traced_blocks: int
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
+    compiled_peaks: dict[str, dict[str, float]]
+    """The peaks as compiled blocks hold them (what their partitioner recomputes is not kept)."""
 
     @property
     def peak_phase(self) -> str:
         return max(PHASES, key=lambda p: self.peaks[p]["total"])
 
+    def peaks_as(self, compiled: bool) -> tuple[dict[str, dict[str, float]], str]:
+        """The peaks per phase, eager or compiled, and the phase of the largest."""
+        peaks = self.compiled_peaks if compiled else self.peaks
+        return peaks, max(PHASES, key=lambda p: peaks[p]["total"])
 
-def role_of(tr: Trace, k: int, n: int, period: int, rank: int) -> Role:
-    """The step's time terms split into what each block adds (its compute; the FSDP traffic
-    that can hide behind it) and the rest."""
+    def times(self, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> timing.StepTimes:
+        return timing.step_times(self.work, gpu, compiled, k)
+
+
+def role_of(tr: Trace, selection: Selection, rank: int) -> Role:
+    """The traced step's figures, its work compacted for timing."""
     comms = {(c.kind, c.group, c.phase): {"count": c.count, "bytes": c.bytes, "group_size": c.size,
                                           "ranks": c.ranks} for c in tr.comms}
-    times = {(gpu.name, compiled): timing.step_times(tr, n, period, gpu, compiled)
-             for gpu in hardware.GPUS.values() for compiled in (False, True)}
-    return Role(rank, tr.peaks, comms, tr.flops, times, k, tr.copied)
+    work = timing.Work(timing.compact(tr.ops), tuple(tr.comms),
+                       tuple(timing.Unit(times, timing.compact(ops), timing.compact(fused), tuple(cs), selection.period)
+                             for times, ops, fused, cs in tr.units),
+                       timing.compact(tr.block_ops), timing.compact(tr.compiled_block_ops))
+    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied, tr.compiled_peaks)
 
 
-def trace_role(cfg: JobConfig, plan: Plan, world_size: int, k: int, period: int, device: str, full: bool,
+def trace_role(cfg: JobConfig, plan: Plan, world_size: int, selection: Selection, device: str, full: bool,
                rank: int) -> Role:
-    """Trace rank `rank`'s step at depth `k`, replayed to the real one."""
+    """Trace rank `rank`'s step with the selected blocks, replayed to the real depth."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # the fake backend exchanges nothing through its store: any in-process store serves
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         meshes = plan.dims.build_meshes("cpu")
-        return role_of(trace_step(cfg, plan, meshes, k, fake, period, device, full), k, stage_depth(plan), period,
-                       rank)
+        return role_of(trace_step(cfg, plan, meshes, selection, fake, device, full), selection, rank)
     finally:
         dist.destroy_process_group()
 
@@ -219,7 +212,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     backend = cfg.model.attn_backend
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     cfg = dry_config(cfg, device)
-    plan = make_plan(cfg, world_size)  # a dry run reads no data: it plans any size of job
+    plan = make_plan(cfg, world_size, device)  # a dry run reads no data: it plans any size of job
     groups = cfg.fault_tolerance.group_size if cfg.fault_tolerance.enable else 1
     if groups > 1:  # one replica group's step: its share of the global batch when every group is in the quorum
         plan = dataclasses.replace(plan, global_batch_size=plan.global_batch_size // groups)
@@ -230,7 +223,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
             raise ConfigError(f"--rank {r} is outside the world of {world_size} ranks; use 0..{world_size - 1}")
     ranks = ranks or default_roles(dims)
     period = ac.selective_every if ac.mode == "selective" and ac.selective_type == "layer" else 1
-    args = (cfg, plan, world_size, traced_depth(stage_depth(plan), period, full), period, device, full)
+    selection = select(plan, period, full)
+    args = (cfg, plan, world_size, selection, device, full)
     # a fresh process per role, one role too: DTensor caches sharding decisions keyed by process
     # group, which would hand one fake world's groups to the next traced in the same process (or
     # forked from it); forked, the roles also run side by side
@@ -240,7 +234,8 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
     return {"config": {"model": cfg.model.name, "flavor": cfg.model.variant, "seq_len": t.seq_len,
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
-                       "attn_backend": backend, "compile": compiled, "replica_groups": groups},
+                       "attn_backend": backend, "compile": compiled, "replica_groups": groups,
+                       "float8": cfg.float8.enable and cfg.float8.recipe},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -248,45 +243,64 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
                 "schedule": cfg.parallelism.pipeline_parallel_schedule, "stages": plan.stages.n_stages,
                 "microbatches": plan.stages.n_microbatches,
                 "blocks_per_stage": [b - a for a, b in plan.stages.blocks]},
-            "_roles": roles, "_plan": plan}
+            "block_kinds": selection.kinds, "_roles": roles, "_plan": plan}
+
+
+def bubble_of(result: dict) -> tuple[int, int]:
+    """The schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones."""
+    pipe = result["pipeline"]
+    return (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
+                                        // result["layout"]["pp"])
+
+
+def replica_seconds(result: dict, gpu: hardware.GPU) -> float:
+    """Replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
+    gradients, after the backward (titanlite.runtime.replicas)."""
+    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
+    return timing.replica_step_seconds(grads, result["config"].get("replica_groups", 1), gpu)
+
+
+def step_seconds(result: dict, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> float:
+    """The slowest role's step on `gpu`, eager or compiled (one trace times both), with factors `k`."""
+    return max(role.times(gpu, compiled, k).step(*bubble_of(result)) for role in result["_roles"]) + replica_seconds(
+        result, gpu)
 
 
 def report(result: dict, gpu: hardware.GPU) -> dict:
     """The JSON report for one GPU (the roles' traces do not depend on it)."""
     plan, cfg, world = result["_plan"], result["config"], result["world_size"]
     tokens = cfg["global_batch_size"] * cfg["seq_len"]
-    pipe = result["pipeline"]
-    # the schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones
-    bubble = (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
-                                          // result["layout"]["pp"])
-    roles, key = [], (gpu.name, cfg["compile"])
-    # replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
-    # gradients, after the backward (titanlite.runtime.replicas)
-    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
-    across = timing.replica_step_seconds(grads, cfg.get("replica_groups", 1), gpu)
-    # the slowest role's step, eager and compiled (the same trace timed both ways)
-    steps = {c: max(role.times[gpu.name, c].step(*bubble) for role in result["_roles"]) + across
-             for c in (False, True)}
+    pipe, bubble = result["pipeline"], bubble_of(result)
+    if cfg.get("float8") and gpu.mamf_f8_flops is None:
+        raise ConfigError(f"float8.enable: the {gpu.name} has no float8 matmuls; plan it on an h100, h200 or b200, "
+                          "or set --float8.enable false")
+    roles, across = [], replica_seconds(result, gpu)
+    times = {id(role): role.times(gpu, cfg["compile"]) for role in result["_roles"]}
+    steps = {c: step_seconds(result, gpu, c) for c in (False, True)}
     step_s = steps[cfg["compile"]]
     for role in result["_roles"]:
-        peak = role.peaks[role.peak_phase]
+        peaks, phase = role.peaks_as(cfg["compile"])
+        peak = peaks[phase]
         roles.append({
             "rank": role.rank, "traced_blocks": role.traced_blocks, "copied_calls": role.copied_calls,
-            "peak_phase": role.peak_phase,
+            "peak_phase": phase,
             "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
-            "memory_gib_by_phase": {p: role.peaks[p]["total"] / GIB for p in PHASES},
+            "memory_gib_by_phase": {p: peaks[p]["total"] / GIB for p in PHASES},
+            "peak_gib_eager": role.peaks[role.peak_phase]["total"] / GIB,
+            "peak_gib_compiled": (lambda p, ph: p[ph]["total"])(*role.peaks_as(True)) / GIB,
             "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            "step_s": role.times[key].step(*bubble),
-            "step_terms_s": dataclasses.asdict(role.times[key])})
+            "step_s": times[id(role)].step(*bubble),
+            "step_terms_s": dataclasses.asdict(times[id(role)])})
     tps = tokens / step_s / world
     mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
     if pipe is not None:
         pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
-    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg, "roles": roles,
-            "predicted": {"gpu": gpu.name, "step_s": step_s, "replica_groups_s": across,
+    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg,
+            "block_kinds": result.get("block_kinds", {}), "roles": roles,
+            "predicted": {"gpu": gpu.name, "power_w": gpu.power_w, "step_s": step_s, "replica_groups_s": across,
                           "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
                           "memory_limit_gib": gpu.memory_gib,
                           "tokens_per_sec_per_gpu_eager": tokens / steps[False] / world,
@@ -299,7 +313,10 @@ def print_table(rep: dict) -> None:
     print(f"{cfg['model']} {cfg['flavor']} on {rep['world_size']} ranks: "
           + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
           + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
-          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}")
+          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}"
+          + (f", float8 {cfg['float8']}" if cfg.get("float8") else ""))
+    if len(rep.get("block_kinds", {})) > 1:
+        print("blocks, each kind traced and counted apart: " + ", ".join(f"{k} x{n}" for k, n in rep["block_kinds"].items()))
     if cfg["attn_backend"] != "sdpa":
         print(f"attention: model.attn_backend {cfg['attn_backend']} traced as sdpa (its kernels cannot run on "
               "fake CPU tensors); memory and collectives are sdpa's, time a roofline of the same FLOPs")
@@ -310,7 +327,7 @@ def print_table(rep: dict) -> None:
               f"x{pipe['bubble_factor']:.3f} on the busy time")
     for role in rep["roles"]:
         m = role["memory_gib"]
-        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks per stage, "
+        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks, "
               f"{role['copied_calls']} pipeline calls copied, peak during {role['peak_phase']}):")
         for c in (*CATEGORIES, "peak"):
             print(f"  {c:<14} {m[c]:9.2f} GiB")
@@ -318,7 +335,7 @@ def print_table(rep: dict) -> None:
         for name, v in role["collectives"].items():
             print(f"  {name:<34} {v['count']:>7} {v['gib']:>10.3f}")
         print(f"  FLOPs per step {role['flops_per_step']:.4g}")
-    print(f"predicted on {pred['gpu']}: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
+    print(f"predicted on {pred['gpu']} at {pred['power_w']:.0f} W: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
           f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
     if pred["replica_groups_s"]:
@@ -345,9 +362,10 @@ def train_device(cfg: JobConfig) -> str:
 
 def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tuple[Estimate, ParallelDims]:
     result = dry_run(cfg, world_size, device=device or train_device(cfg))
-    role = max(result["_roles"], key=lambda r: r.peaks[r.peak_phase]["total"])
-    peak = role.peaks[role.peak_phase]
-    return Estimate({c: peak[c] for c in CATEGORIES}, peak["total"], role.peak_phase), result["_plan"].dims
+    compiled = result["config"]["compile"]
+    role = max(result["_roles"], key=lambda r: (lambda p, ph: p[ph]["total"])(*r.peaks_as(compiled)))
+    peaks, phase = role.peaks_as(compiled)
+    return Estimate({c: peaks[phase][c] for c in CATEGORIES}, peaks[phase]["total"], phase), result["_plan"].dims
 
 
 def device_limit_gib(local_ranks: int) -> tuple[float, str]:
@@ -417,8 +435,13 @@ def split_flags(argv: list[str], opts: dict, switches: tuple[str, ...] = ()) -> 
 
 
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"ngpu": "1", "gpu": "h100", "rank": None, "out": None, "check_memory": None}
+    opts = {"ngpu": "1", "gpu": "h100", "power_limit": None, "rank": None, "out": None, "check_memory": None}
     rest = split_flags(argv, opts, ("--full",))
+    if opts["power_limit"] is not None:
+        try:
+            opts["power_limit"] = float(opts["power_limit"])
+        except ValueError:
+            raise ConfigError(f"--power-limit: expected watts (a positive number), got '{opts['power_limit']}'") from None
     for key in ("ngpu", "rank", "check_memory"):
         if opts[key] is not None and not opts[key].isdigit():
             raise ConfigError(f"--{key.replace('_', '-')}: expected a non-negative integer, got '{opts[key]}'")
@@ -438,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         opts, rest = _parse(argv)
         if opts["check_memory"] is not None:
             what, skip = "the preflight", "; ./run_train.sh --skip-preflight launches without it"
-        gpu = hardware.get_gpu(opts["gpu"])
+        gpu = hardware.get_gpu(opts["gpu"], opts["power_limit"])
         cfg, _ = config_load.load(rest)
         if opts["check_memory"] is not None:
             # run_train.sh's whole pre-launch check in one process: the trainer's own preflight

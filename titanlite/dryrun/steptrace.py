@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
@@ -131,25 +131,9 @@ class Comm:
     bytes: int = 0
 
 
-@dataclass
-class Trace:
-    """What one traced step did on this rank."""
-
-    peaks: dict[str, dict[str, int]]
-    """phase -> category -> bytes live at that phase's peak, plus "total"."""
-    comms: list[Comm]
-    flops: int
-    ops: list[tuple] = field(repr=False)
-    """(FLOPs, bytes read + written, class, kernels) per compute op (titanlite.dryrun.timing)."""
-    block_comms: list[Comm] = field(repr=False)
-    block_ops: list[tuple] = field(repr=False)
-    """What one block period adds to the step (every local stage, every micro-batch)."""
-    copied: int = 0
-    """Calls the step skipped and counted as copies of another (titanlite.dryrun.pptrace)."""
-
-
 class StepTracer(TorchDispatchMode):
-    """Use inside the FakeTensorMode: `with StepTracer(groups) as t: <step>`, then `t.result(...)`."""
+    """Use inside the FakeTensorMode: `with StepTracer(groups) as t: <step>`, then
+    `titanlite.dryrun.replay.result(t, ...)`."""
 
     def __init__(self, group_names: dict):
         """group_names: process group name -> mesh dimension, or (kind, group name) -> the
@@ -316,8 +300,8 @@ class StepTracer(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor run its local ops through this mode
+        if any(issubclass(t, DTensor) or is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # let DTensor (or torchao's float8 tensors) run their local ops through this mode
         kwargs = kwargs or {}
         if func is _ATEN._local_scalar_dense.default and active_fake_mode() is self._fake:
             # a fake tensor has no value to read; the one read in a step is the pipeline
@@ -346,7 +330,7 @@ class StepTracer(TorchDispatchMode):
             flops = 0 if formula is None else formula(args, kwargs, out)
             self.ops.append((flops, sum(map(_nbytes, ins)) + sum(map(_nbytes, outs)), op_class(func), 1))
             self.op_io.append((tuple((self.sid.get(t.untyped_storage()), _nbytes(t)) for t in ins),
-                               tuple(self.sid[t.untyped_storage()] for t in outs)))
+                               tuple((self.sid[t.untyped_storage()], _nbytes(t)) for t in outs)))
         return out
 
     def _collective(self, func, comm, args, out, ins) -> None:
@@ -374,127 +358,6 @@ class StepTracer(TorchDispatchMode):
         self.comm_sids.append(self.sid.get(t.untyped_storage()))
 
     # ---- after the step
-    def result(self, params, grads, optim_state, repeat: list[tuple] = (), times: int = 1, unit_state=(),
-               blocks: list[tuple] = ()) -> Trace:
-        """Replay the step with each storage's final category; call before the step's tensors die.
-
-        A deeper model's step is replayed from this one: its extra blocks do what one block
-        period already did here (titanlite.dryrun.blocktrace).
-        - Each (start, end) span in `repeat` (cursors: the period's forward or backward, or
-          what is done for it elsewhere, as FSDP's gathers and gradient reductions under a
-          pipeline schedule) counts `times` times.
-        - The period's own state (`unit_state`: parameters, gradients, buffers, optimizer
-          state) is held from the start times - 1 more times.
-        - Outside every block's span (`blocks`: each block's forward and backward), what the
-          repeated spans created is freed `times` times where it is freed once (a cache of
-          every block's tensors emptied at once: autocast's weight casts, the weight gradients
-          autograd casts back at the end of a backward call), and each op and collective there
-          counts its share in the period's storages times - 1 more times (the end of a
-          backward call; gradient norm, clipping, the optimizer step). What the next block's
-          span frees (the block's output, say) is the next repeat's, as it stands.
-        One instance of each is the step's work per block period (Trace.block_ops, block_comms)."""
-        def ids(ts):
-            return {self._id(t.to_local() if isinstance(t, DTensor) else t) for t in ts}
-        final = [("optimizer", ids(optim_state)), ("gradients", ids(grads)), ("parameters", ids(params)),
-                 ("collectives", self.resized), ("activations", self.saved), ("collectives", self.comm_touched)]
-
-        def category(sid: int) -> str:
-            return next((name for name, s in final if sid in s), "temporaries")
-
-        more, owned = times - 1, ids(unit_state)
-        live = defaultdict(int)
-        for sid, n in self._initial.items():
-            live[category(sid)] += n * (1 + more * (sid in owned))
-        peaks = {p: {**live, "total": sum(live.values())} for p in PHASES}
-        repeat, used = sorted(repeat), set()
-
-        # a copied span's result the schedule holds dies with its stand-in, unless alive at the end (as the copies')
-        inside = defaultdict(int)
-        for (a, _, _), (b, _, _), _ in self.spans.values():
-            for _, sid, delta in self.log[a:b]:
-                inside[sid] += delta or 0
-        resolved = [e if e[2] is not None else (e[0], e[1], -max(inside[e[1]], 0) if self.sizes[e[1]] == 0 else 0)
-                    for e in self.log]
-        born = {sid for a, b in repeat for _, sid, delta in self.log[a[0]:b[0]] if delta and delta > 0}
-        covered = _covered([*repeat, *blocks], 0, len(resolved))
-        for i, (phase, sid, delta) in enumerate(resolved):
-            if delta < 0 and sid in born and not covered[i]:
-                resolved[i] = (phase, sid, delta * times)
-        # each op and collective outside the spans with its share in the period (0: none), and
-        # as it counts in the deeper step
-        op_part, comm_part = self._shares(owned | born, [*repeat, *blocks])
-        shares = ([(f * p, n * p, c, p) for (f, n, c, _), p in zip(self.ops, op_part)],
-                  [(key, n * p, int(p == 1)) for (key, n), p in zip(self.comm_log, comm_part)])
-        lists = (resolved, [(f + more * sf, n + more * sn, c, k + more * sk)
-                            for (f, n, c, k), (sf, sn, _, sk) in zip(self.ops, shares[0])],
-                 [(key, n + more * sn, 1 + more * c) for (key, n), (_, sn, c) in zip(self.comm_log, shares[1])],
-                 *shares)
-        block_ops, block_comms = [], []
-
-        def expand(a: tuple, b: tuple) -> tuple[list, ...]:
-            """The log, ops, collectives and their shares from cursor a to b, each repeated span
-            in it `times` times."""
-            out = ([], [], [], [], [])
-            for start, end in repeat:
-                if within((start, end), (a, b)):
-                    for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
-                        o += seq[a[i]:start[i]] + seq[start[i]:end[i]] * times
-                    block_ops.extend(self.ops[start[1]:end[1]])
-                    block_comms.extend((key, n, 1) for key, n in self.comm_log[start[2]:end[2]])
-                    a = end
-                    used.add((start, end))
-            for o, seq, i in zip(out, lists, (0, 1, 2, 1, 2)):
-                o += seq[a[i]:b[i]]
-            return out
-
-        inserts = []
-        for at, key in self.copies:
-            log_part, *rest = expand(*self.spans[key][:2])
-            inserts.append((at, ([e for e in log_part if e[1] not in self.own_per_copy], *rest)))
-        streams, last = ([], [], [], [], []), (0, 0, 0)
-        for at, entries in sorted(inserts, key=lambda x: x[0]):
-            for whole, before, inserted in zip(streams, expand(last, at), entries):
-                whole += before + inserted
-            last = at
-        for whole, rest in zip(streams, expand(last, self.cursor())):
-            whole += rest
-        if used != set(repeat):
-            raise RuntimeError("a repeated block's span of the step straddles a skipped pipeline call")
-        log, ops, comm_log = streams[:3]
-        block_ops += [op for op in streams[3] if op[1]]
-        block_comms += [c for c in streams[4] if c[1]]
-        for phase, sid, delta in log:
-            live[category(sid)] += delta
-            total = sum(live.values())
-            if total > peaks[PHASES[phase]]["total"]:
-                peaks[PHASES[phase]] = {**live, "total": total}
-        peaks = {p: {c: v.get(c, 0) for c in (*CATEGORIES, "total")} for p, v in peaks.items()}
-        return Trace(peaks, self._tally(comm_log), sum(op[0] for op in ops), ops, self._tally(block_comms), block_ops,
-                     len(self.copies))
-
-    def _shares(self, seeds: set[int], spans: list[tuple]) -> tuple[list[float], list[float]]:
-        """A block period's share of each op and collective outside every span (0 inside): by
-        the bytes an op reads from the period's own storages (`seeds`: its state, what its
-        spans created), carried on to what the op creates (a stack of every layer's
-        statistics, say); a collective's, its payload's."""
-        share = dict.fromkeys(seeds, 1.0)
-        covered = _covered(spans, 1, len(self.ops)), _covered(spans, 2, len(self.comm_log))
-        op_part = [0.0] * len(self.ops)
-        for i, (ins, outs) in enumerate(self.op_io):
-            own = 0 if covered[0][i] else sum(n * share.get(sid, 0) for sid, n in ins)
-            if own:
-                op_part[i] = own / max(sum(n for _, n in ins), 1)
-                for sid in outs:
-                    share.setdefault(sid, op_part[i])
-        return op_part, [0.0 if covered[1][i] else share.get(sid, 0.0) for i, sid in enumerate(self.comm_sids)]
-
-    def _tally(self, comm_log: list[tuple]) -> list[Comm]:
-        comms = {k: replace(c) for k, c in self.comms.items()}
-        for key, n, count in comm_log:
-            comms[key].count += count
-            comms[key].bytes += n
-        return [c for c in comms.values() if c.count]
-
     def start(self) -> None:
         """Mark the sizes counted so far as the step's starting point."""
         self._initial = {s: n for s, n in self.sizes.items() if n}

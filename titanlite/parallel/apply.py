@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -76,12 +78,18 @@ _PROFILER_RANGES = {torch.ops.profiler._record_function_enter_new.default,
                     torch.ops.profiler._record_function_exit._RecordFunction}
 
 
-def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _selective_contexts(alternate: bool = False) -> tuple:
+    """Per-op AC's contexts for one block call; `alternate`: every second matmul of the block (in
+    forward, and again in its recomputation) is recomputed rather than kept."""
+    matmuls = {False: 0, True: 0}
 
-
-def _selective_contexts() -> tuple:
-    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if alternate and op is torch.ops.aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint, random: bool = False) -> None:
@@ -102,7 +110,7 @@ def apply_ac(blocks: list[nn.Module], cfg: ActivationCheckpoint, random: bool = 
                               "its forward checkpoints itself with); declare one, as titanlite.layers.decoder.Block "
                               "does, or set activation_checkpoint.mode = none")
         if per_op:
-            block.recompute = Recompute(_selective_contexts, random)
+            block.recompute = Recompute(partial(_selective_contexts, cfg.selective_op_matmuls == "alternate"), random)
         elif cfg.mode == "full" or i % cfg.selective_every == 0:
             block.recompute = Recompute(random=random)
 

@@ -16,22 +16,25 @@ from titanlite.config.job import Float8
 from titanlite.errors import ConfigError
 
 
-def preflight(cfg: Float8, device: str, tp: int) -> None:
-    """Refuse float8 where it cannot run: no torchao, no CUDA, a pre-Hopper GPU, or TP."""
+def preflight(cfg: Float8, device: str, tp: int, here: bool = True) -> None:
+    """Refuse float8 where it cannot run: no torchao, no CUDA, a pre-Hopper GPU, or TP. `here`
+    False: a plan for a CUDA job elsewhere (the dry run), so this machine's GPU is not asked."""
     if not cfg.enable:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("float8.enable: torchao is not installed; `pip install 'titanlite[float8]'` "
                           "or set --float8.enable false")
+    if tp > 1:
+        raise ConfigError("float8.enable: float8 with tensor parallelism is not supported yet; "
+                          "set parallelism.tensor_parallel_degree 1 or --float8.enable false")
+    if device == "cuda" and not here:
+        return
     if device == "cpu" or not torch.cuda.is_available():
         raise ConfigError("float8.enable: float8 training needs a CUDA GPU (H100/H200 class); "
                           "set --float8.enable false on this machine")
     if torch.cuda.get_device_capability() < (8, 9):
         raise ConfigError(f"float8.enable: {torch.cuda.get_device_name()} has no float8 matmuls "
                           "(needs compute capability >= 8.9, e.g. H100); set --float8.enable false")
-    if tp > 1:
-        raise ConfigError("float8.enable: float8 with tensor parallelism is not supported yet; "
-                          "set parallelism.tensor_parallel_degree 1 or --float8.enable false")
 
 
 def _fits(module: nn.Module, fqn: str) -> bool:
