@@ -336,7 +336,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     restarted = Restart.read()  # torchrun restarted this job: what failed (its line says, once resumed)
     start_step = ckpt.maybe_load(say=restarted is None)
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
-                   dims.dp, device, start_step, {"guard": tally}) if cfg.fault_tolerance.enable else None)
+                   dims.dp, device, start_step, {"guard": tally},
+                   cfg.comm.init_timeout_s) if cfg.fault_tolerance.enable else None)
     rerun = restarted.rerun(cfg.job.dump_folder) if restarted and cfg.fault_tolerance.rerun_on_nonfinite else None
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)

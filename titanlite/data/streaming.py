@@ -42,7 +42,7 @@ class StreamingSamples(IterableDataset):
                  dp_rank: int, dp_degree: int) -> None:
         self.cfg, self.tokenizer, self.seq_len, self.L = cfg, tokenizer, seq_len, local_batch_size
         self.dp_rank, self.workers = dp_rank, max(cfg.num_workers, 1)
-        self.parts = dp_degree * self.workers
+        self.shares = dp_degree * self.workers
         self.layout = f"dp{dp_degree}_workers{self.workers}"  # what a saved position is valid for
         self.position: dict[str, int] | None = None
 
@@ -52,7 +52,7 @@ class StreamingSamples(IterableDataset):
         head = np.array([tok.bos_id] if tok.bos_id != tok.eos_id else [], dtype=np.uint32)
         tail = np.array([tok.eos_id], dtype=np.uint32)
         texts = (t for t in stream_documents(c.path, c.text_field, c.split, c.seed, c.shuffle, epoch,
-                                             c.shuffle_buffer, part, self.parts) if t)
+                                             c.shuffle_buffer, part, self.shares) if t)
         texts = itertools.islice(texts, skip, None)  # read, not tokenized
         encode = getattr(tok, "encode_batch", None) or (lambda ts: [tok.encode(t) for t in ts])
         while chunk := [t for _, t in zip(range(_ENCODE_CHUNK), texts)]:
@@ -68,8 +68,8 @@ class StreamingSamples(IterableDataset):
                 yield epoch, n, ids
                 n += 1
             if n == 0:
-                shared = (f" for part {part} of {self.parts} (dp degree x loader workers); use more documents "
-                          "or files, fewer ranks or fewer data.num_workers") if self.parts > 1 else ""
+                shared = (f" for part {part} of {self.shares} (dp degree x loader workers); use more documents "
+                          "or files, fewer ranks or fewer data.num_workers") if self.shares > 1 else ""
                 raise ConfigError(f"data.path: no documents with text in {source_name(self.cfg.path)}{shared}")
             epoch, doc = epoch + 1, 0
 

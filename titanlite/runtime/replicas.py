@@ -78,9 +78,10 @@ class Replicas:
 
     def __init__(self, f: FaultTolerance, parts: list[nn.Module], optimizers: Any, loader: Any,
                  global_batch_size: int, local_batch_size: int, dp: int, device: torch.device,
-                 start_step: int, extra: dict[str, Any] | None = None) -> None:
+                 start_step: int, extra: dict[str, Any] | None = None, init_timeout_s: float = 300) -> None:
         """`extra`: more state a healing group takes from its peer ({name: a state_dict()/
-        load_state_dict() object}: the fault guard's counts)."""
+        load_state_dict() object}: the fault guard's counts); `init_timeout_s`: how long the
+        attempt's first quorum waits for the other groups to start (comm.init_timeout_s)."""
         # torchft's Rust side logs about 8 INFO lines a step to the terminal; RUST_LOG=info brings them back
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager
@@ -90,7 +91,7 @@ class Replicas:
         self.parts, self.optimizers, self.loader, self.extra = parts, optimizers, loader, extra or {}
         self.global_batch_size, self.local_batch_size, self.dp = global_batch_size, local_batch_size, dp
         self.device, self.replica_id, self.group_size = device, f.replica_id, f.group_size
-        self.step = start_step
+        self.step, self.first_timeout = start_step, timedelta(seconds=init_timeout_s)
         self.healed_to: int | None = None
         self.rank, self.size = 0, 0  # this group's rank in the step's quorum, and the quorum's size
         timeout = timedelta(seconds=f.timeout_s)
@@ -120,7 +121,8 @@ class Replicas:
         this group healed). `throughput` (titanlite.metrics.Throughput) counts the devices of
         the quorum, which share the global batch, and restarts its clock at a heal."""
         self.step, self.healed_to = step, None
-        self.manager.start_quorum()
+        # the first quorum waits for groups still starting (a scheduler starts them one by one)
+        self.manager.start_quorum(timeout=None if self.size else self.first_timeout)
         rank, before = self.manager.participating_rank(), self.size
         self.rank, self.size = (0 if rank is None else rank), self.manager.num_participants()
         step = self.step if self.healed_to is None else self.healed_to
