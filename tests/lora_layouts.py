@@ -32,8 +32,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _after_initial_load(load):
-    def maybe_load(self: CheckpointManager) -> int:
-        step = load(self)
+    def maybe_load(self: CheckpointManager, *args, **kwargs) -> int:
+        step = load(self, *args, **kwargs)
         seen["parts"], seen["optimizers"] = self.parts, self.states["optimizer"].optimizers
         seen["frozen"] = {n: _local(p).clone() for part in self.parts for n, p in part.named_parameters()
                           if not p.requires_grad}
