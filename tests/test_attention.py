@@ -103,7 +103,8 @@ def test_bad_attention_input_is_refused_in_one_line(monkeypatch):
 
 
 def test_the_dry_run_traces_flex_as_sdpa_and_says_so(capsys):
-    from titanlite.dryrun.run import dry_run, print_table, report
+    from titanlite.dryrun.report import print_table, report
+    from titanlite.dryrun.run import dry_run
     from titanlite.dryrun.hardware import GPUS
 
     cp2 = [*TINY, "--parallelism.context_parallel_degree", "2"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.chat import render_chats
 from titanlite.data.chat_set import stdlib_chats
 from titanlite.data.loader import build_dataloader

@@ -16,7 +16,7 @@ from harness import TINY, assert_parity, launch, train
 from titanlite.config import load as config_load
 from titanlite.checkpoint.dcp import check_saved_model, load_tensors, model_shapes, read_info, read_metadata
 from titanlite.checkpoint.state import DataState
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer

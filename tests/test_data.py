@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import token_stream, build_dataloader, split_stream
 from titanlite.data.tokenizer import ByteTokenizer, build_tokenizer

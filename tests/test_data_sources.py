@@ -13,10 +13,10 @@ import torch
 from test_data import BYTE, global_batches, hf_folder, write_jsonl  # noqa: F401 (fixture)
 
 from titanlite.config import load as config_load
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader, build_dataset, mix_schedule, token_stream
-from titanlite.config.load import parse_mix
+from titanlite.config.data import parse_mix
 from titanlite.data.sources import read_documents
 
 # the test extra installs these: a missing one must fail, not skip
@@ -287,7 +287,7 @@ def test_vocab_check(hf_folder):  # noqa: F811
 
 RESUME_SCRIPT = """
 import json, sys, torch
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import ByteTokenizer
 cfg, state_file, out = Data(**json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
@@ -340,7 +340,7 @@ def test_bad_sources_fail_at_check_with_one_line(tmp_path, docs):
 
 
 def test_validation_reads_each_sample_at_most_once(docs):
-    from titanlite.config.job import Validation
+    from titanlite.config.data import Validation
     from titanlite.data.validation import Validator
 
     data = Data(path=str(docs), holdout_fraction=0.2)
@@ -376,7 +376,7 @@ def test_every_source_kind_gives_the_same_batches(tmp_path):
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_validation_reads_the_same_batches_every_time(docs, streaming):
-    from titanlite.config.job import Validation
+    from titanlite.config.data import Validation
     from titanlite.data.validation import Validator
 
     v = Validator(Validation(freq=1, steps=3, path=str(docs)), Data(path=str(docs), streaming=streaming),

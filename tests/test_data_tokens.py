@@ -12,7 +12,7 @@ import torch
 from test_data import BYTE, hf_folder, write_jsonl  # noqa: F401 (fixture)
 
 from titanlite.config import load as config_load
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader, split_stream, token_stream
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.data.tokens import TokenFolderWriter, TokenShards, encode_documents
@@ -149,7 +149,7 @@ def test_token_folder_refusals(tmp_path, hf_folder):  # noqa: F811
 
 MEMORY_SCRIPT = """
 import resource, sys
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import ByteTokenizer
 loader = build_dataloader(Data(path=sys.argv[1], document_mask=True), ByteTokenizer(), seq_len=512,

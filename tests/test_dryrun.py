@@ -25,7 +25,8 @@ from titanlite.dryrun import run as dryrun_module
 
 from titanlite.preflight import make_plan
 from titanlite.dryrun import hardware, timing
-from titanlite.dryrun.run import dry_run, main, report
+from titanlite.dryrun.report import report
+from titanlite.dryrun.run import dry_run, main
 from titanlite.model_spec import get_model_spec
 from titanlite.dryrun.steptrace import OWN_FLOPS, PHASES
 from torch.utils.flop_counter import flop_registry

@@ -12,7 +12,7 @@ from titanlite.errors import ConfigError
 from harness import TINY, train
 
 from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.checkpoint.hf import read_config, read_safetensors
 from titanlite.data.tokenizer import ByteTokenizer

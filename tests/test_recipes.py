@@ -21,7 +21,8 @@ from harness import TINY, train
 import titanlite
 from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
 from titanlite.checkpoint.state import DataState, SkippedSamples
-from titanlite.config.job import Compile, Data, Training
+from titanlite.config.data import Data
+from titanlite.config.job import Compile, Training
 from titanlite.data import schedule as data_schedule
 from titanlite.data.loader import build_dataloader
 from titanlite.data.schedule import DataSchedule

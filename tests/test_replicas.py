@@ -292,7 +292,8 @@ def test_the_per_step_cost_of_replica_groups_in_docs_scaling_and_the_dry_run():
     cross-group all-reduce of its gradients."""
     from titanlite.config import load as config
     from titanlite.dryrun.hardware import get_gpu
-    from titanlite.dryrun.run import dry_run, report
+    from titanlite.dryrun.report import report
+    from titanlite.dryrun.run import dry_run
     from titanlite.dryrun.timing import replica_step_seconds
 
     h100 = get_gpu("h100")

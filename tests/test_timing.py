@@ -75,7 +75,8 @@ def test_planner_bounds_hold_and_layouts_keep_the_global_batch():
     with lie on the right side of the dry run: memory below the traced peak, tokens/s above the
     prediction."""
     from titanlite.dryrun import hardware
-    from titanlite.dryrun.run import dry_run, report
+    from titanlite.dryrun.report import report
+    from titanlite.dryrun.run import dry_run
     from titanlite.config import load as config
     from titanlite import plan as planner
 

@@ -16,7 +16,7 @@ from harness import TINY, train
 from test_checkpoint import assert_same_tensors, losses_by_step
 
 from titanlite.checkpoint.dcp import load_tensors
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.model_spec import get_model_spec

@@ -31,7 +31,8 @@ from titanlite.config.job import JobConfig
 from titanlite.preflight import Plan, make_plan
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.phases import phase_times
-from titanlite.dryrun.run import dry_config, dry_run, report, split_flags
+from titanlite.dryrun.report import report
+from titanlite.dryrun.run import dry_config, dry_run, split_flags
 from titanlite.errors import ConfigError
 
 MARGIN = 0.85

@@ -22,7 +22,8 @@ from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.optim import Optimizers
-from titanlite.config.job import Checkpoint, Data
+from titanlite.config.data import Data
+from titanlite.config.job import Checkpoint
 from titanlite.data.loader import build_dataloader
 from titanlite.parallel.mesh import init_process_group
 from titanlite.data.tokenizer import build_tokenizer

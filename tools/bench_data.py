@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from titanlite.config.job import Data  # noqa: E402
+from titanlite.config.data import Data  # noqa: E402
 from titanlite.data.loader import build_dataloader, token_stream  # noqa: E402
 from titanlite.data.sources import read_documents  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402

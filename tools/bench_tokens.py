@@ -25,7 +25,7 @@ from titanlite.data.sources import read_documents
 PROBE = """
 import resource, sys, time
 start = time.perf_counter()
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 tokenizer = build_tokenizer(sys.argv[2])

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.hf import (DECODER_LAYER, TOP, HFAdapter, decoder_args, decoder_config, decoder_facts,
+from titanlite.checkpoint.hf import (DECODER_LAYER, HFAdapter, decoder_args, decoder_config, decoder_facts,
                                     on_meta, read_decoder_config, rename_from_hf, rename_to_hf)
 from titanlite.errors import ConfigError
 from titanlite.layers.moe import MoEArgs

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config.job import Checkpoint, Data
+from titanlite.config.data import Data
+from titanlite.config.job import Checkpoint
 from titanlite.errors import ConfigError, RunError
 from titanlite.checkpoint.hf import check_hf_config, fresh_line
 from titanlite.checkpoint.weights import check_shapes, load_hf_weights

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.optim import Optimizers
 

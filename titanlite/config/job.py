@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titanlite.config.data import Data, Validation
+
 @dataclass(frozen=True)
 class Job:
     dump_folder: str = "./outputs"
@@ -299,74 +301,6 @@ class Metrics:
     warning once a rank is over this ratio for straggler_logs logs in a row. 0: no report."""
     straggler_logs: int = 3
     """Logged steps in a row a rank must be over straggler_ratio before the warning."""
-
-
-@dataclass(frozen=True)
-class Data:
-    path: str = ""
-    """A .txt/.jsonl/.parquet file or a folder of them, a datasets folder, hf:NAME, or a token
-    folder (python -m titanlite.tools.tokenize); empty means the embedded Python
-    standard-library source."""
-    text_field: str = "text"
-    """Field holding the text in .jsonl records."""
-    tokenizer: str = "byte"
-    """byte (built in), byte_chat (the byte tokenizer's ids with a ChatML chat template, built in)
-    or a folder with Hugging Face tokenizer files."""
-    shuffle: bool = True
-    """Shuffle samples with data.seed (layout-independent)."""
-    seed: int = 0
-    """Seed of the sample order."""
-    num_workers: int = 0
-    """Data loader worker processes."""
-    holdout_fraction: float = 0.01
-    """Tail fraction of the token stream (with format chat: of the chats) kept out of training for
-    validation."""
-    split: str = "train"
-    """Split to read from a Hugging Face data set (hf:NAME or a save_to_disk folder)."""
-    mix: list[str] = field(default_factory=list)
-    """Weighted mixture instead of data.path: ["SOURCE:WEIGHT", ...] (on the command line
-    SOURCE:WEIGHT,SOURCE:WEIGHT); weights are relative, honoured to 1/1000. Each SOURCE is
-    anything data.path accepts."""
-    skip_samples: str = ""
-    """Global sample ranges never trained on, "START-END,..." (END excluded; every global batch
-    that overlaps one is passed over), e.g. the data around a loss spike; a spike rollback
-    records its own in the checkpoint. Not with data.streaming."""
-    streaming: bool = False
-    """Read data.path lazily (Hugging Face datasets streaming) instead of tokenizing it whole
-    up front; see docs/data.md for what order guarantees hold."""
-    shuffle_buffer: int = 10000
-    """Documents in the shuffle buffer of a streamed source."""
-    document_mask: bool = False
-    """Attention stays within each document of a packed sample, and RoPE positions
-    restart at each document (as if each ran alone)."""
-    format: str = "text"
-    """text (documents back to back, cut into samples) or chat: rows of OpenAI-style messages,
-    each rendered whole with the tokenizer's chat template, several packed per sample (needs
-    document_mask); the loss is on the tokens data.train_on names. An empty data.path is then the
-    built-in chat set (standard-library docstrings). docs/post_training.md."""
-    messages_field: str = "messages"
-    """With format chat: the field (.jsonl) or column (.parquet, data sets) holding each row's list
-    of messages: {"role": system, user, assistant or tool, "content": ...}."""
-    train_on: str = "assistant"
-    """With format chat: the target tokens: assistant (every assistant turn, where the template's
-    {% generation %} spans say, else by rendering each prefix), all (every token), last (the
-    last assistant turn only)."""
-    overlong: str = "truncate"
-    """With format chat: a chat longer than training.seq_len + 1 tokens is truncate(d) to its first
-    seq_len + 1 or drop(ped); the counts are logged (chats_truncated, chats_dropped)."""
-
-
-@dataclass(frozen=True)
-class Validation:
-    freq: int = 0
-    """Evaluate every N steps (and after the last); 0 turns validation off."""
-    steps: int = 10
-    """Global batches per evaluation (the same ones every time)."""
-    path: str = ""
-    """Validation source, anything data.path accepts; empty means the held-out tail
-    (data.holdout_fraction) of the training data."""
-    split: str = "validation"
-    """Split of validation.path when it is a Hugging Face data set."""
 
 
 @dataclass(frozen=True)

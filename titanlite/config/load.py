@@ -17,7 +17,8 @@ import sys
 import typing
 from pathlib import Path
 
-from titanlite.config.job import CHOICES, Checkpoint, Data, JobConfig, Validation
+from titanlite.config.data import check_data, parse_ranges
+from titanlite.config.job import CHOICES, Checkpoint, JobConfig
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -180,18 +181,6 @@ def _check_choices(cfg: JobConfig) -> None:
                 raise ConfigError(f"{key}: '{v}' is not one of {', '.join(options)}")
 
 
-def parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
-    """data.skip_samples "START-END,..." -> ((start, end), ...), END excluded."""
-    ranges = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        start, _, end = item.partition("-")
-        if not (start.isdigit() and end.isdigit() and int(start) < int(end)):
-            raise ConfigError(f"data.skip_samples: bad range '{item}'; expected START-END with START < END, "
-                              "e.g. 1024-2048")
-        ranges.append((int(start), int(end)))
-    return tuple(ranges)
-
-
 def check_config(cfg: JobConfig) -> None:
     """Checks that need no world size, model or files; everything else is checked where known."""
     t, p, s = cfg.training, cfg.parallelism, cfg.lr_scheduler
@@ -284,7 +273,7 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic), got {t.gc_freq}")
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
-    _check_data(cfg.data, cfg.validation)
+    check_data(cfg.data, cfg.validation)
     if cfg.data.tokenizer not in ("byte", "byte_chat") and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is not 'byte', 'byte_chat' or a folder")
     c = cfg.checkpoint
@@ -393,76 +382,6 @@ def _check_rerun(cfg: JobConfig) -> None:
                           "group heals from its peers instead: turn one of them off")
 
 
-def check_source(path: str, key: str = "data.path") -> None:
-    """Cheap existence check for config validation (no files are read)."""
-    if path and not path.startswith("hf:") and not Path(path).exists():
-        raise ConfigError(f"{key}: '{path}' does not exist")
-
-
-def parse_mix(spec: list[str]) -> list[tuple[str, float]]:
-    """["SOURCE:WEIGHT", ...] -> [(source, weight)]; the weight follows the last colon."""
-    out = []
-    for entry in spec:
-        source, colon, weight = entry.strip().rpartition(":")
-        try:
-            w = float(weight) if colon else float("nan")
-        except ValueError:
-            w = float("nan")
-        if not w > 0 or w == float("inf"):
-            raise ConfigError(f"data.mix: entry '{entry.strip()}' must be SOURCE:WEIGHT with a "
-                              "weight > 0, e.g. data.mix = [\"a.jsonl:0.7\", \"b_folder:0.3\"]")
-        if source in (s for s, _ in out):
-            raise ConfigError(f"data.mix: source '{source}' appears twice; add its weights up")
-        out.append((source, w))
-    if len(out) < 2:
-        raise ConfigError("data.mix needs at least two SOURCE:WEIGHT entries; use data.path for one")
-    return out
-
-
-def _check_data(d: Data, v: Validation) -> None:
-    if d.mix:
-        if d.path:
-            raise ConfigError("data.mix and data.path are both set; put every source in data.mix")
-        if d.streaming:
-            raise ConfigError("data.streaming does not support data.mix; mix local sources instead")
-        for source, _ in parse_mix(d.mix):
-            check_source(source, "data.mix")
-    check_source(d.path)
-    if d.streaming and not d.path:
-        raise ConfigError("data.streaming needs data.path; the embedded source is read whole")
-    if d.streaming and d.document_mask:
-        raise ConfigError("data.document_mask needs document boundaries, which data.streaming does not "
-                          "keep; turn one of them off")
-    check_source(v.path, "validation.path")
-    if d.format == "chat":
-        _check_chat(d)
-    if d.shuffle_buffer < 1:
-        raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
-    if v.freq < 0 or v.steps < 1:
-        raise ConfigError(f"validation: need freq >= 0 and steps >= 1, got {v.freq} and {v.steps}")
-    if v.freq and not v.path and d.holdout_fraction == 0:
-        raise ConfigError("validation.freq is set but there is no validation data: set "
-                          "data.holdout_fraction > 0 or validation.path")
-    if v.freq and not v.path and d.streaming:
-        raise ConfigError("validation.freq with data.streaming needs validation.path: a streamed "
-                          "source has no held-out tail")
-
-
-def _check_chat(d: Data) -> None:
-    """data.format chat: what it cannot run with, before any file is read."""
-    if d.streaming:
-        raise ConfigError("data.format chat reads its rows whole to pack them; set data.streaming = false")
-    if not d.document_mask:
-        raise ConfigError("data.format chat packs several chats per sample; set data.document_mask = true so "
-                          "that each chat attends only to itself, with its own positions")
-    if d.tokenizer == "byte":
-        raise ConfigError("data.format chat renders each chat with the tokenizer's chat template, and "
-                          "data.tokenizer 'byte' has none; use 'byte_chat' (the same ids, with a template) or a "
-                          "tokenizer folder whose tokenizer_config.json has a chat_template")
-    if not d.messages_field:
-        raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
-
-
 def to_toml(cfg: JobConfig) -> str:
     """The merged configuration as TOML text."""
     def fmt(v: object) -> str:
@@ -507,8 +426,6 @@ def world_rank() -> int:
 
 if __name__ == "__main__":
     # run_train.sh's first check, without importing torch: most mistakes fail in well under a second
-    import sys
-
     try:
         load(sys.argv[1:])
     except ConfigError as e:

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config.job import Data, Validation
-from titanlite.config.load import parse_mix, parse_ranges
+from titanlite.config.data import Data, Validation
+from titanlite.config.data import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
 from titanlite.data.packing import ChatSamples, chat_samples
 from titanlite.data.schedule import DataSchedule

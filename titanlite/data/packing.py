@@ -22,7 +22,7 @@ import functools
 import numpy as np
 import torch
 
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.data.chat import Chat, render_chats
 from titanlite.data.chat_set import stdlib_chats
 from titanlite.data.order import SampleOrder, row_of

@@ -17,7 +17,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from titanlite.config.load import check_source
+from titanlite.config.data import check_source
 from titanlite.errors import ConfigError
 
 STDLIB_MAX_CHARS = 16_000_000  # keeps start-up around a second with the byte tokenizer

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.config.job import Data
+from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.data.sources import source_name, stream_documents
 from titanlite.data.tokenizer import Tokenizer

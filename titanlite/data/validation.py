@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config.job import Data, Validation
+from titanlite.config.data import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.packing import IGNORE_INDEX
-from titanlite.config.load import parse_mix
+from titanlite.config.data import parse_mix
 from titanlite.data.sources import check_text, source_bytes
 from titanlite.data.chat import check_template
 from titanlite.data.tokenizer import Tokenizer

@@ -33,8 +33,6 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from titanlite.dryrun.replay import UnitSpans
-from titanlite.model_spec import ModelSpec
-from titanlite.parallel.grad_norm import reduce_partial_grads
 from titanlite.dryrun.steptrace import StepTracer, within
 from titanlite.model_spec import ModelSpec
 from titanlite.parallel.grad_norm import reduce_partial_grads

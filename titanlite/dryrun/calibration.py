@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from titanlite.config import load as config_load
 from titanlite.dryrun import hardware, timing
-from titanlite.dryrun.hardware import GIB
-from titanlite.dryrun.run import dry_run, report, step_seconds
+from titanlite.dryrun.report import report, step_seconds
+from titanlite.dryrun.run import dry_run
 
 PERF = "TorchTitan docs/performance.md"
 ASYNC_TP = "TorchTitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"

@@ -19,15 +19,15 @@ the others as copies (titanlite.dryrun.pptrace). `--full` traces every block and
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import json
 import multiprocessing as mp
 import os
 import sys
-import traceback
-from functools import partial
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,25 +36,26 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titanlite.config import load as config_load
-
+from titanlite.config.job import JobConfig
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
-from titanlite.config.job import JobConfig
-from titanlite.errors import ConfigError
 from titanlite.dryrun.hardware import GIB
+from titanlite.dryrun.phases import phase_times
+from titanlite.dryrun.pptrace import skip_microbatches
+from titanlite.dryrun.replay import Trace, result as replay
+from titanlite.dryrun.report import print_table, report
+from titanlite.dryrun.standins import TracedReferee, fake_routing, fused_norms
+from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
+from titanlite.errors import ConfigError
 from titanlite.layers import init
+from titanlite.loop import Update, one_step
 from titanlite.loss import build_loss_fn
+from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.dryrun.phases import phase_times
-from titanlite.dryrun.pptrace import skip_microbatches
-from titanlite.dryrun.standins import TracedReferee, fake_routing, fused_norms
-from titanlite.loop import Update, one_step
-from titanlite.model_spec import in_model_code
 from titanlite.preflight import Plan, check_attention, make_plan, preflight
-from titanlite.dryrun.replay import Trace, result as replay
-from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
+
 
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
@@ -244,108 +245,6 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
                 "microbatches": plan.stages.n_microbatches,
                 "blocks_per_stage": [b - a for a, b in plan.stages.blocks]},
             "block_kinds": selection.kinds, "_roles": roles, "_plan": plan}
-
-
-def bubble_of(result: dict) -> tuple[int, int]:
-    """The schedule's bubble: (pp - 1) idle slots per micro-batches x stages per rank busy ones."""
-    pipe = result["pipeline"]
-    return (1, 1) if pipe is None else (result["layout"]["pp"], pipe["microbatches"] * pipe["stages"]
-                                        // result["layout"]["pp"])
-
-
-def replica_seconds(result: dict, gpu: hardware.GPU) -> float:
-    """Replica groups (fault_tolerance): the quorum and the cross-group all-reduce of each rank's
-    gradients, after the backward (titanlite.runtime.replicas)."""
-    grads = max(role.peaks["optimizer"]["gradients"] for role in result["_roles"])
-    return timing.replica_step_seconds(grads, result["config"].get("replica_groups", 1), gpu)
-
-
-def step_seconds(result: dict, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> float:
-    """The slowest role's step on `gpu`, eager or compiled (one trace times both), with factors `k`."""
-    return max(role.times(gpu, compiled, k).step(*bubble_of(result)) for role in result["_roles"]) + replica_seconds(
-        result, gpu)
-
-
-def report(result: dict, gpu: hardware.GPU) -> dict:
-    """The JSON report for one GPU (the roles' traces do not depend on it)."""
-    plan, cfg, world = result["_plan"], result["config"], result["world_size"]
-    tokens = cfg["global_batch_size"] * cfg["seq_len"]
-    pipe, bubble = result["pipeline"], bubble_of(result)
-    if cfg.get("float8") and gpu.mamf_f8_flops is None:
-        raise ConfigError(f"float8.enable: the {gpu.name} has no float8 matmuls; plan it on an h100, h200 or b200, "
-                          "or set --float8.enable false")
-    roles, across = [], replica_seconds(result, gpu)
-    times = {id(role): role.times(gpu, cfg["compile"]) for role in result["_roles"]}
-    steps = {c: step_seconds(result, gpu, c) for c in (False, True)}
-    step_s = steps[cfg["compile"]]
-    for role in result["_roles"]:
-        peaks, phase = role.peaks_as(cfg["compile"])
-        peak = peaks[phase]
-        roles.append({
-            "rank": role.rank, "traced_blocks": role.traced_blocks, "copied_calls": role.copied_calls,
-            "peak_phase": phase,
-            "memory_gib": {**{c: peak[c] / GIB for c in CATEGORIES}, "peak": peak["total"] / GIB},
-            "memory_gib_by_phase": {p: peaks[p]["total"] / GIB for p in PHASES},
-            "peak_gib_eager": role.peaks[role.peak_phase]["total"] / GIB,
-            "peak_gib_compiled": (lambda p, ph: p[ph]["total"])(*role.peaks_as(True)) / GIB,
-            "collectives": {f"{k}[{g}] {p}": {"count": v["count"], "gib": v["bytes"] / GIB,
-                                              "group_size": v["group_size"]}
-                            for (k, g, p), v in sorted(role.comms.items())},
-            "flops_per_step": role.flops,
-            "step_s": times[id(role)].step(*bubble),
-            "step_terms_s": dataclasses.asdict(times[id(role)])})
-    tps = tokens / step_s / world
-    mfu = 100 * tps * plan.spec.flops_per_token(plan.args, cfg["seq_len"]) / gpu.bf16_flops
-    if pipe is not None:
-        pipe = {**pipe, "bubble_factor": (bubble[1] + bubble[0] - 1) / bubble[1]}
-    return {"world_size": world, "layout": result["layout"], "pipeline": pipe, "config": cfg,
-            "block_kinds": result.get("block_kinds", {}), "roles": roles,
-            "predicted": {"gpu": gpu.name, "power_w": gpu.power_w, "step_s": step_s, "replica_groups_s": across,
-                          "tokens_per_sec_per_gpu": tps, "mfu_pct": mfu,
-                          "memory_limit_gib": gpu.memory_gib,
-                          "tokens_per_sec_per_gpu_eager": tokens / steps[False] / world,
-                          "tokens_per_sec_per_gpu_compiled": tokens / steps[True] / world,
-                          "fits": all(r["memory_gib"]["peak"] <= gpu.memory_gib for r in roles)}}
-
-
-def print_table(rep: dict) -> None:
-    lay, cfg, pred = rep["layout"], rep["config"], rep["predicted"]
-    print(f"{cfg['model']} {cfg['flavor']} on {rep['world_size']} ranks: "
-          + " x ".join(f"{k} {v}" for k, v in lay.items() if v > 1 or k == "dp_shard")
-          + f"; batch {cfg['local_batch_size']} x {cfg['seq_len']} per rank, global {cfg['global_batch_size']},"
-          f" AC {cfg['activation_checkpoint']}, {cfg['param_dtype']}, {'compiled' if cfg['compile'] else 'eager'}"
-          + (f", float8 {cfg['float8']}" if cfg.get("float8") else ""))
-    if len(rep.get("block_kinds", {})) > 1:
-        print("blocks, each kind traced and counted apart: " + ", ".join(f"{k} x{n}" for k, n in rep["block_kinds"].items()))
-    if cfg["attn_backend"] != "sdpa":
-        print(f"attention: model.attn_backend {cfg['attn_backend']} traced as sdpa (its kernels cannot run on "
-              "fake CPU tensors); memory and collectives are sdpa's, time a roofline of the same FLOPs")
-    if rep["pipeline"]:
-        pipe = rep["pipeline"]
-        print(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages of {min(pipe['blocks_per_stage'])}-"
-              f"{max(pipe['blocks_per_stage'])} blocks, {pipe['microbatches']} micro-batches; bubble "
-              f"x{pipe['bubble_factor']:.3f} on the busy time")
-    for role in rep["roles"]:
-        m = role["memory_gib"]
-        print(f"rank {role['rank']} (traced {role['traced_blocks']} blocks, "
-              f"{role['copied_calls']} pipeline calls copied, peak during {role['peak_phase']}):")
-        for c in (*CATEGORIES, "peak"):
-            print(f"  {c:<14} {m[c]:9.2f} GiB")
-        print(f"  {'collective':<34} {'count':>7} {'GiB':>10}")
-        for name, v in role["collectives"].items():
-            print(f"  {name:<34} {v['count']:>7} {v['gib']:>10.3f}")
-        print(f"  FLOPs per step {role['flops_per_step']:.4g}")
-    print(f"predicted on {pred['gpu']} at {pred['power_w']:.0f} W: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
-          f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
-          f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")
-    if pred["replica_groups_s"]:
-        print(f"  of which {pred['replica_groups_s']:.3f} s for the quorum and the gradients' all-reduce across "
-              f"{cfg['replica_groups']} replica groups (this group's share of the global batch: 1/{cfg['replica_groups']})")
-    for phase in rep.get("phases", ()):
-        print(f"  warm-up {phase['describe']}: step {phase['step_s']:.3f} s, peak {phase['peak_gib']:.1f} GiB")
-    other = "eager" if cfg["compile"] else "compiled"
-    print(f"  the same step {other} (compile.enable {str(not cfg['compile']).lower()}): "
-          f"{pred['tokens_per_sec_per_gpu_' + other]:,.0f} tokens/s/GPU")
 
 
 @dataclass(frozen=True)
