@@ -247,10 +247,11 @@ def test_export_merge_and_convert_agree_with_peft(layouts, tmp_path):
     (["--float8.enable", "true"], "float8.enable with lora.rank 4"),
     (["--moe.bias_update_rate", "0.001", "--model.name", "qwen3_moe"], "moe.bias_update_rate with lora.rank 4"),
     (["--checkpoint.export_dtype", "bfloat16"], "checkpoint.export_dtype with lora.rank 4"),
+    (["--checkpoint.merge_last", "2", "--checkpoint.enable", "true"], "checkpoint.merge_last with lora.rank 4: the mean of the adapters' A and B"),
     (["--lora.alpha", "0"], "lora: need rank >= 0 (0: off), alpha > 0"),
     (["--lora.target_modules", ""], "and target_modules (e.g. wq,wv), got rank 4, alpha 16.0, dropout 0.0, []"),
 ], ids=["nothing", "experts", "router", "fused", "overlap", "tied", "full_nothing", "float8", "router_bias", "export_dtype",
-        "alpha", "empty"])
+        "merge_last", "alpha", "empty"])
 def test_bad_lora_input_is_one_line_before_launch(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
         cfg, _ = config_load.load([*TINY, "--lora.rank", "4", *extra])

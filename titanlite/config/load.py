@@ -315,7 +315,11 @@ def _check_lora(cfg: JobConfig) -> None:
             ("checkpoint.export_dtype", bool(cfg.checkpoint.export_dtype), "the run exports its adapter "
                                                                           "(lora.export_folder); convert dcp hf merges it"),
             ("checkpoint.create_seed_checkpoint", cfg.checkpoint.create_seed_checkpoint,
-             "its base weights come from checkpoint.initial_load_path or the seed")]:
+             "its base weights come from checkpoint.initial_load_path or the seed"),
+            # averaging A and B apart is not averaging B @ A, and the sum would hold the frozen base too
+            ("checkpoint.merge_last", cfg.checkpoint.merge_last > 0, "the mean of the adapters' A and B is not the "
+                                                                     "adapter of the mean; merge exported models "
+                                                                     "offline (python -m titanlite.tools.merge)")]:
         if on and lo.rank:
             raise ConfigError(f"{key} with lora.rank {lo.rank}: {why}; set {key} off or lora.rank 0")
 
