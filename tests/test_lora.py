@@ -77,7 +77,8 @@ def _load_peft(base: Path, adapter: Path) -> PeftModel:
 @pytest.mark.parametrize("name,targets,full,rslora", [
     ("llama3", "wq,wk,wv,wo,w1,w2,w3", "output", False),          # the q/k row permutation
     ("qwen3", "q_proj,k_proj,v_proj,o_proj,mlp.gate_proj,up_proj,w2", "norm", True),
-    ("qwen3_moe", "wq,wk,wv,wo", "lm_head", False)])
+    ("qwen3_moe", "wq,wk,wv,wo", "lm_head", False),
+    ("transformers", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "lm_head", False)])  # Llama via transformers
 def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp_path):
     model, args = _hf_base(name, tmp_path / "base", layers=2)
     spec = get_model_spec(name)
