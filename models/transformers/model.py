@@ -58,10 +58,9 @@ def hf_config(args: ModelArgs) -> PretrainedConfig:
     for key, value in values.items():
         if isinstance(value, list) and len(value) == depth != args.n_layers:
             values[key] = value[:args.n_layers]
-    values.update(num_hidden_layers=args.n_layers, vocab_size=args.vocab_size)
-    config = CONFIG_MAPPING[values["model_type"]].from_dict(values)
-    config._attn_implementation = ATTENTION
-    return config
+    # the constructor's attn_implementation: titanlite's attention, registered with transformers
+    values.update(num_hidden_layers=args.n_layers, vocab_size=args.vocab_size, attn_implementation=ATTENTION)
+    return CONFIG_MAPPING[values["model_type"]].from_dict(values)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type[nn.Module]:
