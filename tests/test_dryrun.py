@@ -456,18 +456,19 @@ def test_an_error_in_the_model_s_own_code_on_a_rank_is_reported_as_the_user_s(br
 
 
 def test_qwen3_5_memory_grows_at_most_linearly_with_the_sequence(monkeypatch):
-    """Qwen3.5 9B over cp 8 (the linear blocks pass their state along the ranks): at 32,768 and
-    65,536 tokens (4,096 and 8,192 per rank; 131,072 takes another 60 s: docs/scaling.md) what the
-    batch brings to the step's peak (all but parameters, gradients and optimizer state) at most
-    doubles, and grows (so the sequence, not the 248,320-row vocabulary's gathers, is measured).
-    The flavor's max_seq_len (transformers' default, 32,768) is lifted: the linear blocks have no
-    positions and RoPE's table covers the trace."""
+    """Qwen3.5's debug flavor (9B's pattern in small: three Gated DeltaNet blocks, one full
+    attention) over cp 8 with full AC and packed documents, the linear blocks passing their state
+    along the ranks: at 32,768 and 65,536 tokens (4,096 and 8,192 per rank) what the batch brings
+    to the step's peak (all but parameters, gradients and optimizer state) at most doubles, and
+    grows. The flavor's max_seq_len (32,768) is lifted: the linear blocks have no positions and
+    RoPE's table covers the trace. The 9B's own figures: docs/scaling.md."""
     spec = get_model_spec("qwen3_5")
-    monkeypatch.setitem(spec.flavors, "9B", dataclasses.replace(spec.flavors["9B"], max_seq_len=65536))
+    monkeypatch.setitem(spec.flavors, "debugmodel", dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=65536))
     batch = {}
     for seq in (32768, 65536):
-        cfg, _ = config.load(["--config", "qwen3_5_9b.toml", "--training.seq_len", str(seq),
-                              "--parallelism.context_parallel_degree", "8", "--data.document_mask", "true"])
+        cfg, _ = config.load(["--model.name", "qwen3_5", "--training.seq_len", str(seq), "--training.local_batch_size",
+                              "1", "--parallelism.context_parallel_degree", "8", "--data.document_mask", "true",
+                              "--activation_checkpoint.mode", "full"])
         (role,) = dry_run(cfg, 8, [0])["_roles"]
         peak = role.peaks[role.peak_phase]
         batch[seq] = peak["total"] - peak["parameters"] - peak["gradients"] - peak["optimizer"]
