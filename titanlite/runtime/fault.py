@@ -198,25 +198,29 @@ class StopVote:
     def __init__(self, rank: int, shutdown_timeout_s: int, watchdog: Watchdog) -> None:
         self.rank, self.shutdown_timeout_s, self.watchdog = rank, shutdown_timeout_s, watchdog
         self.signal_name: str | None = None
+        self.sigints = 0
         self.users = True
-        """Whether the signal was the user's, not torchrun ending an attempt (launch.users_signal)."""
+        """Whether the signal was the user's, not torchrun ending an attempt (launch.users_signal,
+        which also names it: the user's, not the SIGTERM torchrun sends on)."""
         self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _on_signal(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
+        self.sigints += name == "SIGINT"
         if self.signal_name is not None:
             # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
             # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
-            if self.signal_name == name == "SIGINT":
+            if self.sigints == 2:
                 last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
                 os._exit(128 + signum)
             return
-        self.signal_name, self.users = name, users_signal()
+        users = users_signal(name)
+        self.signal_name, self.users = users or name, users is not None
         # torchrun's SIGTERM after another rank failed is not news: the restart's line names the cause
         if self.rank == 0 and self.users:
-            print(f"titanlite: {name} received at step {self.watchdog.step}; stopping once every rank has seen it",
-                  flush=True)
-        self.watchdog.shutdown(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {name}")
+            print(f"titanlite: {self.signal_name} received at step {self.watchdog.step}; stopping once every rank "
+                  "has seen it", flush=True)
+        self.watchdog.shutdown(self.shutdown_timeout_s, f"job.shutdown_timeout_s after {self.signal_name}")
 
     def vote(self, device: torch.device) -> torch.Tensor:
         # torch.full fills on the device; torch.tensor(x, device=cuda) would copy from pageable

@@ -109,12 +109,18 @@ def read_exits(folder: Path) -> dict[int, dict]:
     return out
 
 
-def users_signal() -> bool:
-    """Whether a SIGTERM or SIGINT this rank got is the user's (or a scheduler's), not torchrun
-    ending an attempt after another rank failed: the launcher notes each signal it passes on
-    before it does. Outside the launcher every signal counts as the user's."""
+def users_signal(name: str) -> str | None:
+    """The stop signal the user (or a scheduler) sent, for a SIGTERM or SIGINT this rank got as
+    `name`: the one the launcher noted before passing it on, so torchrun's SIGTERM that follows a
+    Ctrl-C (with restarts on, the launcher ends torchrun too) is named SIGINT whichever reaches the
+    rank first; None when torchrun ended an attempt after another rank failed. Outside the
+    launcher every signal is the user's."""
     folder = os.environ.get(REPORT_DIR_ENV)
-    return not folder or Path(folder, SIGNALLED).exists()
+    if not folder:
+        return name
+    with contextlib.suppress(OSError):
+        return Path(folder, SIGNALLED).read_text() or name
+    return None
 
 
 # -- the launcher ------------------------------------------------------------------------
@@ -226,8 +232,9 @@ def launch(torchrun_args: list[str], train_args: list[str]) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         signals.append(signum)
-        with contextlib.suppress(OSError):  # before the ranks see it: they say it was the user's
-            (folder / SIGNALLED).write_text(signal.Signals(signum).name)
+        with contextlib.suppress(OSError):  # before the ranks see it: they name the user's first signal
+            if len(signals) == 1:
+                (folder / SIGNALLED).write_text(signal.Signals(signum).name)
         # the first signal stops the run; a second SIGINT ends it now; repeated SIGTERMs (as
         # schedulers send) change nothing
         if agent is not None and (len(signals) == 1 or signals.count(signal.SIGINT) == 2 == len(signals)):
