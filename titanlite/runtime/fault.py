@@ -210,7 +210,7 @@ class StopVote:
         if self.signal_name is not None:
             # Launchers repeat SIGTERM (scancel signals torchrun, which forwards it), and Ctrl-C
             # reaches torchrun too, which then sends SIGTERM: only a second Ctrl-C means "now".
-            if self.sigints == 2:
+            if self.sigints >= 2:
                 last_word(self.rank, 128 + signum, f"titanlite: second SIGINT on rank {self.rank}; exiting now")
                 os._exit(128 + signum)
             return
