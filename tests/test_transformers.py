@@ -213,8 +213,10 @@ def _check(argv: list[str], tmp_path) -> None:
      r"LlamaAttention has attention dropout 0.1"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
-     r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig.base_model_tp_plan entry "
-     r"'layers.\*.mlp.experts.gate_up_proj': 'packed_colwise' is not a style titanlite applies"),
+     # transformers 5.25 dropped the experts' entry from the plan; 5.24 has it in a style titanlite does not apply
+     r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig(.s layers.\*.mlp.experts is in no base_model_tp_plan "
+     r"entry but sees one rank's share of mlp|.base_model_tp_plan entry 'layers.\*.mlp.experts.gate_up_proj': "
+     r"'packed_colwise' is not a style titanlite applies.*); train it with tensor_parallel_degree 1"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
      r"expert_parallel_degree 2: expert parallelism shards titanlite's MoE layers"),
     (["--model.flavor", "debug_granite", "--parallelism.pipeline_parallel_degree", "2"],
@@ -262,9 +264,11 @@ def test_every_architecture_on_every_layout_is_the_table_in_the_docs(tmp_path):
     bad = {f: {k: v for k, v in r.items() if v == "MISMATCH"} for f, r in found["results"].items()}
     assert not any(bad.values()) and codes == [0, 0], (bad, output[-6000:])
     docs = (REPO / "docs" / "transformers_models.md").read_text()
+    written = re.search(r"differs\), on transformers (\S+?)[ :]", docs).group(1)
+    if found["transformers"] != written:  # another version in pyproject's range: its refusals may differ
+        pytest.skip(f"the docs' table is transformers {written}'s; parity on {found['transformers']} held")
     table = _table(found)
     assert table in docs, f"docs/transformers_models.md's table is not what the test found; it found:\n{table}"
-    assert f"transformers {found['transformers']}" in docs
 
 
 def test_the_dry_run_traces_transformers_llama_as_native_llama3():

@@ -20,6 +20,7 @@ import copy
 import json
 from dataclasses import dataclass
 from functools import cache
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -91,6 +92,28 @@ def recomputing_class(base: type[nn.Module]) -> type[nn.Module]:
     return type(base.__name__, (Recomputing, base), {"__module__": base.__module__})
 
 
+def kernel_routing(cls: type[nn.Module]) -> Callable | None:
+    """The forward `cls` had before the kernels package's `use_kernelized_func` wrapped it, None if
+    it did not. That wrapper routes a global function (transformers 5.25: apply_rotary_pos_emb) to
+    a hub kernel chosen by `kernels.kernelize`, which titanlite never calls (nothing downloads), so
+    the function it routes to is the plain one; but it sets a module-level variable on every call,
+    a side effect compile cannot trace inside an activation checkpoint (fullgraph fails)."""
+    try:
+        from kernels import use_kernelized_func
+    except ImportError:  # transformers' own no-op decorator wraps nothing
+        return None
+    code = getattr(cls.forward, "__code__", None)
+    if code is None or code.co_filename != use_kernelized_func.__code__.co_filename:
+        return None
+    return cls.forward.__wrapped__
+
+
+@cache
+def unrouted_class(base: type[nn.Module]) -> type[nn.Module]:
+    """`base` with the forward the kernels package wrapped (kernel_routing): the same computation."""
+    return type(base.__name__, (base,), {"forward": kernel_routing(base), "__module__": base.__module__})
+
+
 class Recomputing:
     """A decoder layer that checkpoints its own forward with `recompute` when the plan sets it,
     so its parameter names, and FSDP's and compile's hooks, stay the layer's own."""
@@ -113,6 +136,9 @@ class CausalLM:
         super().__init__(config)
         for layer in self.model.layers:
             layer.__class__ = recomputing_class(type(layer))
+        for module in self.modules():
+            if kernel_routing(type(module)) is not None:
+                module.__class__ = unrouted_class(type(module))
         # a weight shared between modules (a tied embedding) is drawn by the module that holds it
         # first; a pipeline stage that holds only a later one draws it by a copy of that module
         first: dict[int, str] = {}
