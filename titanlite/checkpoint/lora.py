@@ -23,12 +23,12 @@ import torch.nn as nn
 
 from titanlite.checkpoint.dcp import load_tensors, model_shapes
 from titanlite.checkpoint.hf import HFAdapter
-from titanlite.checkpoint.peft import HFLayouts, LoRAInfo, from_peft, hf_names, to_peft, write_peft
+from titanlite.checkpoint.peft import HFLayouts, from_peft, hf_names, to_peft, write_peft
 from titanlite.checkpoint.state import ModelState, Transformed
 from titanlite.checkpoint.weights import assign_full
 from titanlite.config.job import JobConfig, LoRA
 from titanlite.errors import ConfigError
-from titanlite.layers.lora import LoRASetup, apply_lora
+from titanlite.layers.lora import LoRASetup, apply_lora, tied_targets
 from titanlite.layers.moe import Router
 from titanlite.model_spec import ModelSpec
 
@@ -110,29 +110,48 @@ def plan_lora(cfg: LoRA, spec: ModelSpec, args: Any) -> LoRASetup | None:
                               f"{spec.name}'s mapping, so PEFT could not save {f}; train other modules in full")
     setup = LoRASetup(cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora, frozenset(targets), frozenset(full))
     if cfg.initial_adapter:  # an adapter's size: read it whole once before launch, as every rank will
-        from_peft(cfg.initial_adapter, info_of(setup), spec.hf, args, shapes)
+        from_peft(cfg.initial_adapter, setup, spec.hf, args, shapes)
     apply_lora(model, setup)
     return dataclasses.replace(setup, trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
                                frozen=sum(p.numel() for p in model.parameters() if not p.requires_grad))
+
+
+def tied(spec: ModelSpec, args: Any, targets: frozenset[str] | tuple[str, ...]) -> dict[str, str]:
+    """titanlite.layers.lora.tied_targets of the whole model (built on meta)."""
+    with torch.device("meta"):
+        return tied_targets(spec.build(args), targets)
+
+
+def tied_note(tied: Mapping[str, str], step: str = "<step folder>") -> str:
+    """What a PEFT folder of an adapter on a tied weight needs said: PEFT loads it on the tied base
+    (and warns), right unmerged, but its merge_and_unload adds the adapter to the weight both
+    layers share; titanlite's merged export writes the model untied."""
+    if not tied:
+        return ""
+    layer, other = min(tied.items())
+    other = other.removesuffix(".weight")
+    return (f"; {layer} is tied to {other} and its adapter changes {layer} alone: use the adapter unmerged, or merge "
+            f"with python -m titanlite.tools.convert dcp hf {step} OUT (written untied), not PEFT's "
+            f"merge_and_unload, which would change {other} too")
 
 
 def trained_names(parts: list[nn.Module]) -> set[str]:
     return {n for part in parts for n, p in part.named_parameters() if p.requires_grad}
 
 
-def load_adapter(parts: list[nn.Module], folder: str, info: LoRAInfo, adapter: HFAdapter, args: Any,
+def load_adapter(parts: list[nn.Module], folder: str, setup: LoRASetup, adapter: HFAdapter, args: Any,
                  shapes: Mapping[str, torch.Size]) -> None:
     """lora.initial_adapter into the parts' adapters (and whole modules), on every rank: each
     reads the folder (an adapter's size) and keeps its shards."""
-    tensors = from_peft(folder, info, adapter, args, shapes)
+    tensors = from_peft(folder, setup, adapter, args, shapes)
     for part in parts:
         assign_full(part, tensors)
     if dist.get_rank() == 0:
         print(f"titanlite: adapters from {folder} (PEFT)", flush=True)
 
 
-def export_adapter(parts: list[nn.Module], folder: Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
-                   shapes: Mapping[str, torch.Size], base: str) -> None:
+def export_adapter(parts: list[nn.Module], folder: Path, setup: LoRASetup, adapter: HFAdapter, args: Any,
+                   shapes: Mapping[str, torch.Size], base: str, tied: Mapping[str, str]) -> None:
     """The parts' adapters as a PEFT folder, written whole or not at all. Every rank saves its
     shards with DCP (any layout, pipeline stages included) and rank 0 reads them back whole."""
     tmp = folder.with_name(folder.name + ".tmp")
@@ -145,35 +164,30 @@ def export_adapter(parts: list[nn.Module], folder: Path, info: LoRAInfo, adapter
         with warnings.catch_warnings():  # DCP's note that it reads in one process, which it does on purpose
             warnings.simplefilter("ignore", UserWarning)
             trained = load_tensors(gathered)
-        tensors, config = to_peft(trained, info, adapter, args, shapes, base)
+        tensors, config = to_peft(trained, setup, adapter, args, shapes, base)
         write_peft(tmp, tensors, config)
         shutil.rmtree(gathered)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
-        print(f"titanlite: adapter written to {folder} (PEFT)", flush=True)
+        print(f"titanlite: adapter written to {folder} (PEFT){tied_note(tied)}", flush=True)
     dist.barrier()
-
-
-def info_of(setup: LoRASetup) -> LoRAInfo:
-    return LoRAInfo(setup.rank, setup.alpha, setup.rslora, setup.dropout, tuple(sorted(setup.targets)),
-                    tuple(sorted(setup.full)))
 
 
 def checkpointing(setup: LoRASetup, cfg: JobConfig, spec: ModelSpec, args: Any) -> Transformed:
     """What a LoRA run asks of its checkpoints (titanlite.checkpoint.state.Transformed): the adapted
     model's names, the settings and base weights a resumed run must share (recorded), the
     adapter from lora.initial_adapter at the start and as a PEFT folder at the end."""
-    info = info_of(setup)
     c = cfg.checkpoint
     base = ({"path": str(Path(c.initial_load_path).resolve()), "format": c.initial_load_format} if c.initial_load_path
             else {"path": "", "format": "seed", "seed": cfg.training.seed})
-    record = json.loads(json.dumps({"lora": dataclasses.asdict(info), "base": base}))
+    record = json.loads(json.dumps({"lora": setup.record(), "base": base}))
     shapes = model_shapes(spec, args)
     initial = final = None
     if cfg.lora.initial_adapter:
-        initial = functools.partial(load_adapter, folder=cfg.lora.initial_adapter, info=info, adapter=spec.hf,
+        initial = functools.partial(load_adapter, folder=cfg.lora.initial_adapter, setup=setup, adapter=spec.hf,
                                     args=args, shapes=shapes)
     if cfg.lora.export_folder:
         final = functools.partial(export_adapter, folder=Path(cfg.job.dump_folder) / cfg.lora.export_folder,
-                                  info=info, adapter=spec.hf, args=args, shapes=shapes, base=base["path"])
+                                  setup=setup, adapter=spec.hf, args=args, shapes=shapes, base=base["path"],
+                                  tied=tied(spec, args, setup.targets))
     return Transformed(functools.partial(apply_lora, setup=setup), record, initial, final)

@@ -12,7 +12,9 @@ parallel plan; this file is the single-device math.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,7 +25,8 @@ from titanlite.layers import init
 
 @dataclass(frozen=True)
 class LoRASetup:
-    """What the transform does to a model, resolved once (titanlite.parallel.lora.plan_lora)."""
+    """What the transform does to a model: planned once (plan_lora), applied by apply_lora, saved
+    in each checkpoint's titanlite.json (`record`) and read back from it (`of`)."""
 
     rank: int
     alpha: float
@@ -41,6 +44,17 @@ class LoRASetup:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def record(self) -> dict[str, Any]:
+        """The settings a checkpoint records (titanlite.json's "lora"): those a resumed run must share."""
+        return {"rank": self.rank, "alpha": self.alpha, "rslora": self.rslora, "dropout": self.dropout,
+                "targets": sorted(self.targets), "full": sorted(self.full)}
+
+    @classmethod
+    def of(cls, saved: Mapping[str, Any]) -> LoRASetup:
+        """The setup a checkpoint recorded (`record`)."""
+        return cls(int(saved["rank"]), float(saved["alpha"]), float(saved["dropout"]), bool(saved["rslora"]),
+                   frozenset(saved["targets"]), frozenset(saved["full"]))
 
 
 class LoRALinear(nn.Linear):
@@ -80,6 +94,18 @@ class LoRALinear(nn.Linear):
         bound = 1 / math.sqrt(self.in_features)
         init.uniform_(self.lora_A.weight, f"{prefix}.lora_A.weight", seed, -bound, bound)
         init.zeros_(self.lora_B.weight)
+
+
+def tied_targets(model: nn.Module, targets: frozenset[str] | tuple[str, ...]) -> dict[str, str]:
+    """Each target layer whose weight the model shares with another parameter (a tied output
+    layer) -> that parameter's name. Its adapter unties the two: the embedding keeps W, the
+    output computes with W + scale B A, so the trained model is an untied one."""
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return {name.removesuffix(".weight"): next(other for other in group if other != name)
+            for group in shared.values() if len(group) > 1
+            for name in group if name.endswith(".weight") and name.removesuffix(".weight") in targets}
 
 
 def apply_lora(model: nn.Module, setup: LoRASetup) -> None:
