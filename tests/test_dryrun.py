@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -364,11 +365,35 @@ def test_a_preflight_that_crashes_says_so_in_one_line(monkeypatch, capsys):
         main(["--check-memory", "1", "--config", "debug_model.toml"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1, err
-    assert err[0].startswith("titanlite: error: the preflight failed inside titanlite (TypeError: cannot unpack "
-                             f"non-iterable OpOverload object) on torch {torch.__version__}; traceback in "), err
+    assert re.match(r"titanlite: error: the preflight failed inside titanlite \(TypeError: cannot unpack "
+                    rf"non-iterable OpOverload object, at {re.escape(__file__)}:\d+\) on torch {re.escape(torch.__version__)}; "
+                    "traceback in ", err[0]), err
     assert err[0].endswith("; ./run_train.sh --skip-preflight launches without it"), err
     trace = Path(re.search(r"traceback in (\S+);", err[0]).group(1))
     assert "in crash" in trace.read_text()
+    trace.unlink()
+
+
+def test_an_error_a_traced_rank_cannot_send_back_still_says_what_and_where(monkeypatch, capsys):
+    """A rank's trace runs in a worker process, which pickles what it raises: an exception that
+    holds an object that does not pickle (a lock, as a pybind11 object in a data-dependent-shape
+    error) reaches the user as its type, message and file:line, its traceback in the file."""
+    class Unsendable(RuntimeError):
+        def __init__(self, message):
+            super().__init__(message)
+            self.lock = threading.Lock()
+
+    def trace(*args, **kwargs):
+        raise Unsendable("data-dependent shape")
+    monkeypatch.setattr(dryrun_module, "trace_step", trace)
+    with pytest.raises(SystemExit) as e:
+        main(["--check-memory", "1", "--config", "debug_model.toml"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert re.match(r"titanlite: error: the preflight failed inside titanlite \(Unsendable: data-dependent shape, "
+                    rf"at {re.escape(__file__)}:\d+\) on torch ", err[0]), err
+    trace = Path(re.search(r"traceback in (\S+);", err[0]).group(1))
+    assert "in trace\n" in trace.read_text() and "Unsendable: data-dependent shape" in trace.read_text()
     trace.unlink()
 
 
