@@ -38,7 +38,7 @@ from titanlite.data.loader import build_dataloader
 from titanlite.errors import ConfigError
 from titanlite.loss import IGNORE_INDEX
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite.checkpoint.lora import plan_lora
+from titanlite.checkpoint.lora import setup_lora
 from titanlite.layers.lora import apply_lora
 from titanlite.preflight import make_plan, preflight
 from titanlite.tools.convert import main as convert_main
@@ -83,7 +83,7 @@ def _load_peft(base: Path, adapter: Path) -> PeftModel:
 def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp_path):
     model, args = _hf_base(name, tmp_path / "base", layers=2)
     spec = get_model_spec(name)
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, rslora=rslora, target_modules=targets.split(","),
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, rslora=rslora, target_modules=targets.split(","),
                            train_in_full=[full]), spec, args)
     apply_lora(model, setup)
     g = torch.Generator().manual_seed(1)
@@ -114,7 +114,7 @@ def test_an_adapter_on_a_tied_output_exports_the_model_that_trained(name, flavor
     model = spec.build(args)
     model.init_weights(5)
     write_hf_folder(tmp_path / "base", spec.hf.to_hf(model.state_dict(), args), spec.hf.config_to_hf(args, torch.float32))
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=targets.split(",")), spec, args)
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=targets.split(",")), spec, args)
     apply_lora(model, setup)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_peft_adapter_imports_and_trains_on(layouts):
     peft = _load_peft(root / "base", root / "made")
     model, args = titanlite.load_hf(root / "base", "llama3")
     spec = get_model_spec("llama3")
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=TARGETS.split(","), train_in_full=["lm_head"]), spec, args)
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=TARGETS.split(","), train_in_full=["lm_head"]), spec, args)
     apply_lora(model, setup)
     assign_full(model, from_peft(root / "made", setup, spec.hf, args, model_shapes(spec, args)))
     with torch.no_grad():
@@ -315,7 +315,7 @@ def test_an_adapter_for_other_settings_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="lora.initial_adapter .* has r=8"):  # before launch
         make_plan(cfg, 1)
     spec = get_model_spec("llama3")
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
     with pytest.raises(ConfigError, match="has r=8, lora_alpha=8, use_rslora=False; this run has lora.rank 4"):
         from_peft(tmp_path / "made", setup, spec.hf, args, model_shapes(spec, args))
     wider = dataclasses.replace(setup, rank=8, targets=setup.targets | {"layers.0.attention.wv"})
@@ -334,7 +334,7 @@ def test_dropout_draws_the_same_masks_when_a_block_is_recomputed(mode):
     args = dataclasses.replace(model_args(spec, "debugmodel", 0, 32), n_layers=1)
     model = spec.build(args)
     model.init_weights(0)
-    apply_lora(model, plan_lora(LoRA(rank=4, dropout=0.5, target_modules=["wq", "w2"]), spec, args))
+    apply_lora(model, setup_lora(LoRA(rank=4, dropout=0.5, target_modules=["wq", "w2"]), spec, args))
     with torch.no_grad():
         for p in (p for p in model.parameters() if p.requires_grad):
             p.normal_(0, 0.05)

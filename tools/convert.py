@@ -60,7 +60,7 @@ def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
 
 
 def _base(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run trained on, as it read them (titanlite.parallel.lora.checkpointing)."""
+    """The weights a LoRA run trained on, as it read them (titanlite.checkpoint.lora.checkpointing)."""
     if base["format"] == "hf":
         return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
     if base["format"] == "dcp":

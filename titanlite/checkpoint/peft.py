@@ -7,7 +7,7 @@ q and k rows). Then B's rows move as W's rows and A's columns as W's columns (P 
 = P (W + s B A) Q). The permutations are read off to_hf itself, run on index tensors, so they
 cannot drift from the weights' mapping. A weight to_hf does not map to one transformers weight
 by a permutation (fused with another, or split) has no adapter PEFT could load: `hf_layout`
-says so, and titanlite.parallel.lora refuses it as a target before launch.
+says so, and titanlite.checkpoint.lora.setup_lora refuses it as a target before launch.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def from_peft(folder: str | Path, setup: LoRASetup, adapter: HFAdapter, args: An
             used.add(key)
     for module in sorted(setup.full):
         own = {k: v for k, v in shapes.items() if k.startswith(f"{module}.")}
-        for key, hf_key in hf_names(adapter, args, own).items():  # (plan_lora checked each has one)
+        for key, hf_key in hf_names(adapter, args, own).items():  # (setup_lora checked each has one)
             if PREFIX + hf_key not in saved:
                 raise ConfigError(f"{where} has no {PREFIX + hf_key} for {module} (lora.train_in_full)")
             out |= adapter.from_hf({hf_key: saved[PREFIX + hf_key]}, _untied(args))
