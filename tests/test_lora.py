@@ -106,8 +106,9 @@ def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp
                                                   ("transformers", "debug_qwen2", "q_proj,lm_head")])
 def test_an_adapter_on_a_tied_output_exports_the_model_that_trained(name, flavor, targets, tmp_path, capsys):
     """The output layer shares the embedding's weight; its adapter changes the output only, so the
-    merged export is untied (lm_head.weight of its own) and gives the LoRA model's logits, and the
-    PEFT folder gives them unmerged on the tied base."""
+    merged exports are untied (lm_head.weight of its own; the torch file loads into the untied
+    model, as its line says) and give the LoRA model's logits, and so does the PEFT folder,
+    unmerged on the tied base (PEFT warns) and merged too on an untied one (no warning)."""
     spec = get_model_spec(name)
     args = dataclasses.replace(model_args(spec, flavor, 0, 64), n_layers=2)
     assert args.tie_embeddings
@@ -127,8 +128,12 @@ def test_an_adapter_on_a_tied_output_exports_the_model_that_trained(name, flavor
     (tmp_path / "step-1" / "titanlite.json").write_text(json.dumps(info))
     convert_main(["dcp", "hf", str(tmp_path / "step-1"), str(tmp_path / "merged")])
     convert_main(["dcp", "peft", str(tmp_path / "step-1"), str(tmp_path / "peft")])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "is tied to" in line and "titanlite.tools.convert dcp hf" in line, line
+    convert_main(["dcp", "torch", str(tmp_path / "step-1"), str(tmp_path / "merged.pt")])
+    peft_line, torch_line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "is tied to" in peft_line and "titanlite.tools.convert dcp hf" in peft_line, peft_line
+    assert "tie_embeddings=False" in torch_line, torch_line
+    untied_model = spec.build(dataclasses.replace(args, tie_embeddings=False))
+    untied_model.load_state_dict(torch.load(tmp_path / "merged.pt", weights_only=True))
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and "lm_head.weight" in read_safetensors(tmp_path / "merged")
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
@@ -146,6 +151,7 @@ def test_an_adapter_on_a_tied_output_exports_the_model_that_trained(name, flavor
             assert (ours - on_tied(tokens).logits).abs().max() > 0.1  # the adapters change the logits
         for theirs in (load(tmp_path / "merged").float().eval(), on_tied, on_untied, on_untied.merge_and_unload()):
             assert (ours - theirs(tokens).logits).abs().max().item() <= 1e-5
+        assert (ours - untied_model.eval()(tokens)).abs().max().item() <= 1e-5
 
 
 # ---- the layouts launch ---------------------------------------------------------------------

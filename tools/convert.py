@@ -87,7 +87,8 @@ def _read_dcp(path: Path, merged: bool = True):
 
 def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",
             dtype: str = "", max_shard_gb: float = 5.0) -> str:
-    """Writes `dst`; returns what the line saying so adds (a PEFT folder of a tied layer's adapter)."""
+    """Writes `dst`; returns what the line saying so adds (a tied layer's adapter: how to use what
+    was written)."""
     src_path, dst_path = Path(src), Path(dst)
     cast = (lambda sd: sd) if not dtype else (lambda sd: {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
     if (src_format, dst_format) == ("dcp", "peft"):
@@ -113,9 +114,14 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         net, args = titanlite.load_hf(src_path, model)
         write_model_checkpoint(dst_path, cast(net.state_dict()), model, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
-        _, _, sd, _ = _read_dcp(src_path)
+        spec, args, sd, lora = _read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cast(sd), dst_path)
+        untied = {} if lora is None else tied(spec, args, lora.targets)
+        if untied:  # loaded into the tied model, one of the two weights would silently take both places
+            layer, other = min(untied.items())
+            return (f"; {layer} is tied to {other.removesuffix('.weight')} in the model, not in this file (its adapter "
+                    f"changed {layer} alone): load it into the model built untied (its args' tie_embeddings=False)")
     else:
         raise ConfigError(f"cannot convert {src_format} to {dst_format}; supported: dcp->hf, hf->dcp, dcp->torch, "
                           "dcp->peft")
