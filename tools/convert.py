@@ -30,7 +30,7 @@ from titanlite.checkpoint.peft import merge, to_peft, write_peft
 from titanlite.errors import ConfigError
 from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.hf import write_hf_folder
-from titanlite.checkpoint.lora import tied, tied_note
+from titanlite.checkpoint.lora import tied_layers, tied_note
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 FORMATS = ("dcp", "hf", "torch", "peft")
@@ -97,11 +97,11 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
             raise ConfigError(f"{src_path} is not a LoRA run's checkpoint (no adapter); convert it to hf")
         base = read_info(src_path)["transform"]["base"]["path"]
         write_peft(dst_path, *to_peft(trained, lora, _adapter(spec), args, model_shapes(spec, args), base))
-        return tied_note(tied(spec, args, lora.targets), str(src_path))
+        return tied_note(tied_layers(spec, args, lora.targets), str(src_path))
     elif (src_format, dst_format) == ("dcp", "hf"):
         spec, args, sd, lora = _read_dcp(src_path)
         adapter = _adapter(spec)
-        if lora is not None and tied(spec, args, lora.targets):
+        if lora is not None and tied_layers(spec, args, lora.targets):
             # the adapter made the output its own weight: written untied, with lm_head.weight
             args = dataclasses.replace(args, tie_embeddings=False)
         sd = cast(sd)
@@ -117,7 +117,7 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         spec, args, sd, lora = _read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cast(sd), dst_path)
-        untied = {} if lora is None else tied(spec, args, lora.targets)
+        untied = {} if lora is None else tied_layers(spec, args, lora.targets)
         if untied:  # loaded into the tied model, one of the two weights would silently take both places
             layer, other = min(untied.items())
             return (f"; {layer} is tied to {other.removesuffix('.weight')} in the model, not in this file (its adapter "

@@ -67,7 +67,7 @@ def setup_lora(cfg: LoRA, spec: ModelSpec, args: Any) -> LoRASetup | None:
     return setup
 
 
-def tied(spec: ModelSpec, args: Any, targets: frozenset[str] | tuple[str, ...]) -> dict[str, str]:
+def tied_layers(spec: ModelSpec, args: Any, targets: frozenset[str] | tuple[str, ...]) -> dict[str, str]:
     """titanlite.layers.lora.tied_targets of the whole model (built on meta)."""
     with torch.device("meta"):
         return tied_targets(spec.build(args), targets)
@@ -140,5 +140,5 @@ def checkpointing(setup: LoRASetup, cfg: JobConfig, spec: ModelSpec, args: Any) 
     if cfg.lora.export_folder:
         final = functools.partial(export_adapter, folder=Path(cfg.job.dump_folder) / cfg.lora.export_folder,
                                   setup=setup, adapter=spec.hf, args=args, shapes=shapes, base=base["path"],
-                                  tied=tied(spec, args, setup.targets))
+                                  tied=tied_layers(spec, args, setup.targets))
     return Transformed(functools.partial(apply_lora, setup=setup), record, initial, final)

@@ -35,7 +35,9 @@ PREFIX = "base_model.model."
 # ---- the weights' mapping, read off the family's to_hf ------------------------------
 
 def _untied(args: Any) -> Any:
-    # a tied output is dropped by to_hf (transformers re-ties it): asked about alone, it has a name
+    # a tied output is dropped by to_hf (transformers re-ties it): asked about alone, it has its own
+    # name (lm_head), which PEFT adapts; an adapter on it unties the model, and the merged exports
+    # are written untied (titanlite.layers.lora.tied_targets)
     return dataclasses.replace(args, tie_embeddings=False) if getattr(args, "tie_embeddings", False) else args
 
 
