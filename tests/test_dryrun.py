@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -353,22 +354,36 @@ def test_the_dry_run_plans_a_job_larger_than_its_data(capsys):
     assert e.value.code == 2 and len(err) == 1 and "need at least global_batch_size 2048" in err[0], err
 
 
-def test_a_preflight_that_crashes_says_so_in_one_line(monkeypatch, capsys):
+class Unsendable(RuntimeError):
+    """An exception that does not pickle (it holds a lock, as torch's data-dependent-shape errors
+    hold a pybind11 object)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("where,error", [("check_memory", TypeError("cannot unpack non-iterable OpOverload object")),
+                                         ("trace_step", Unsendable("data-dependent shape"))],
+                         ids=["in_process", "in_a_traced_rank_unpicklable"])
+def test_a_preflight_that_crashes_says_so_in_one_line(monkeypatch, capsys, where, error):
     """An internal error (a titanlite bug, a torch it does not know) ends the preflight with one
-    line naming the exception, the torch version and how to launch without it, and exit 1; the
-    traceback is kept in a file. A bad config is still refused (exit 2, test above)."""
+    line naming the exception, where it was raised, the torch version and how to launch without
+    it, and exit 1; the traceback is kept in a file. Also when a traced rank's worker process
+    raised it and it does not pickle. A bad config is still refused (exit 2, test above)."""
     def crash(*args, **kwargs):
-        raise TypeError("cannot unpack non-iterable OpOverload object")
-    monkeypatch.setattr(dryrun_module, "check_memory", crash)
+        raise error
+    monkeypatch.setattr(dryrun_module, where, crash)
     with pytest.raises(SystemExit) as e:
         main(["--check-memory", "1", "--config", "debug_model.toml"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1, err
-    assert err[0].startswith("titanlite: error: the preflight failed inside titanlite (TypeError: cannot unpack "
-                             f"non-iterable OpOverload object) on torch {torch.__version__}; traceback in "), err
+    assert re.match(rf"titanlite: error: the preflight failed inside titanlite \({type(error).__name__}: "
+                    rf"{re.escape(str(error))}, at {re.escape(__file__)}:\d+\) on torch {re.escape(torch.__version__)}; "
+                    "traceback in ", err[0]), err
     assert err[0].endswith("; ./run_train.sh --skip-preflight launches without it"), err
     trace = Path(re.search(r"traceback in (\S+);", err[0]).group(1))
-    assert "in crash" in trace.read_text()
+    assert "in crash\n" in trace.read_text()
     trace.unlink()
 
 

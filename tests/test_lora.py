@@ -13,6 +13,7 @@ straight run's. The PEFT tests run in this process with peft and transformers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import warnings
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from titanlite.checkpoint.dcp import model_shapes, read_metadata, write_model_checkpoint
 from titanlite.checkpoint.hf import read_safetensors, write_hf_folder
-from titanlite.checkpoint.peft import LoRAInfo, from_peft, to_peft, write_peft
+from titanlite.checkpoint.peft import from_peft, to_peft, write_peft
 from titanlite.checkpoint.weights import assign_full
 from titanlite.config import load as config_load
 from titanlite.config.job import LoRA
@@ -37,7 +38,7 @@ from titanlite.data.loader import build_dataloader
 from titanlite.errors import ConfigError
 from titanlite.loss import IGNORE_INDEX
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite.checkpoint.lora import plan_lora
+from titanlite.checkpoint.lora import setup_lora
 from titanlite.layers.lora import apply_lora
 from titanlite.preflight import make_plan, preflight
 from titanlite.tools.convert import main as convert_main
@@ -82,7 +83,7 @@ def _load_peft(base: Path, adapter: Path) -> PeftModel:
 def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp_path):
     model, args = _hf_base(name, tmp_path / "base", layers=2)
     spec = get_model_spec(name)
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, rslora=rslora, target_modules=targets.split(","),
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, rslora=rslora, target_modules=targets.split(","),
                            train_in_full=[full]), spec, args)
     apply_lora(model, setup)
     g = torch.Generator().manual_seed(1)
@@ -90,8 +91,7 @@ def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp
         for p in (p for p in model.parameters() if p.requires_grad):
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    info = LoRAInfo(4, 8.0, rslora, 0.0, tuple(sorted(setup.targets)), tuple(sorted(setup.full)))
-    write_peft(tmp_path / "peft", *to_peft(trained, info, spec.hf, args, model_shapes(spec, args), str(tmp_path / "base")))
+    write_peft(tmp_path / "peft", *to_peft(trained, setup, spec.hf, args, model_shapes(spec, args), str(tmp_path / "base")))
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
     peft = _load_peft(tmp_path / "base", tmp_path / "peft")
     with torch.no_grad():
@@ -100,6 +100,58 @@ def test_export_loads_in_peft_with_equal_logits(name, targets, full, rslora, tmp
             base = peft(tokens).logits
     assert (ours - base).abs().max() > 1.0  # the adapters change the logits by far more than the tolerance
     assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name,flavor,targets", [("llama3", "debugmodel_tied", "wq,output"),
+                                                  ("transformers", "debug_qwen2", "q_proj,lm_head")])
+def test_an_adapter_on_a_tied_output_exports_the_model_that_trained(name, flavor, targets, tmp_path, capsys):
+    """The output layer shares the embedding's weight; its adapter changes the output only, so the
+    merged exports are untied (lm_head.weight of its own; the torch file loads into the untied
+    model, as its line says) and give the LoRA model's logits, and so does the PEFT folder,
+    unmerged on the tied base (PEFT warns) and merged too on an untied one (no warning)."""
+    spec = get_model_spec(name)
+    args = dataclasses.replace(model_args(spec, flavor, 0, 64), n_layers=2)
+    assert args.tie_embeddings
+    model = spec.build(args)
+    model.init_weights(5)
+    write_hf_folder(tmp_path / "base", spec.hf.to_hf(model.state_dict(), args), spec.hf.config_to_hf(args, torch.float32))
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=targets.split(",")), spec, args)
+    apply_lora(model, setup)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    write_model_checkpoint(tmp_path / "step-1", trained, name, args)
+    info = json.loads((tmp_path / "step-1" / "titanlite.json").read_text())
+    info["transform"] = {"lora": setup.record(), "base": {"path": str(tmp_path / "base"), "format": "seed", "seed": 5}}
+    (tmp_path / "step-1" / "titanlite.json").write_text(json.dumps(info))
+    convert_main(["dcp", "hf", str(tmp_path / "step-1"), str(tmp_path / "merged")])
+    convert_main(["dcp", "peft", str(tmp_path / "step-1"), str(tmp_path / "peft")])
+    convert_main(["dcp", "torch", str(tmp_path / "step-1"), str(tmp_path / "merged.pt")])
+    peft_line, torch_line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert "is tied to" in peft_line and "titanlite.tools.convert dcp hf" in peft_line, peft_line
+    assert "tie_embeddings=False" in torch_line, torch_line
+    untied_model = spec.build(dataclasses.replace(args, tie_embeddings=False))
+    untied_model.load_state_dict(torch.load(tmp_path / "merged.pt", weights_only=True))
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "lm_head.weight" in read_safetensors(tmp_path / "merged")
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, attn_implementation="eager")
+    on_tied = PeftModel.from_pretrained(load(tmp_path / "base").float(), tmp_path / "peft").eval()  # PEFT warns
+    untied = load(tmp_path / "base", tie_word_embeddings=False).float()  # as PEFT's warning at merge says
+    untied.lm_head.weight.data = untied.model.embed_tokens.weight.data.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on_untied = PeftModel.from_pretrained(untied, tmp_path / "peft").eval()
+    assert not [w for w in caught if re.search("tie|adapter keys", str(w.message))], [str(w.message) for w in caught]
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        with on_tied.disable_adapter():
+            assert (ours - on_tied(tokens).logits).abs().max() > 0.1  # the adapters change the logits
+        for theirs in (load(tmp_path / "merged").float().eval(), on_tied, on_untied, on_untied.merge_and_unload()):
+            assert (ours - theirs(tokens).logits).abs().max().item() <= 1e-5
+        assert (ours - untied_model.eval()(tokens)).abs().max().item() <= 1e-5
 
 
 # ---- the layouts launch ---------------------------------------------------------------------
@@ -200,10 +252,9 @@ def test_peft_adapter_imports_and_trains_on(layouts):
     peft = _load_peft(root / "base", root / "made")
     model, args = titanlite.load_hf(root / "base", "llama3")
     spec = get_model_spec("llama3")
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=TARGETS.split(","), train_in_full=["lm_head"]), spec, args)
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=TARGETS.split(","), train_in_full=["lm_head"]), spec, args)
     apply_lora(model, setup)
-    info = LoRAInfo(4, 8.0, False, 0.0, tuple(sorted(setup.targets)), tuple(sorted(setup.full)))
-    assign_full(model, from_peft(root / "made", info, spec.hf, args, model_shapes(spec, args)))
+    assign_full(model, from_peft(root / "made", setup, spec.hf, args, model_shapes(spec, args)))
     with torch.no_grad():
         logits, ours = peft(batch["input_ids"]).logits, model.eval()(batch["input_ids"])
         with peft.disable_adapter():
@@ -270,11 +321,10 @@ def test_an_adapter_for_other_settings_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="lora.initial_adapter .* has r=8"):  # before launch
         make_plan(cfg, 1)
     spec = get_model_spec("llama3")
-    setup = plan_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
-    info = LoRAInfo(4, 8.0, False, 0.0, tuple(sorted(setup.targets)), ())
+    setup = setup_lora(LoRA(rank=4, alpha=8.0, target_modules=["q_proj"]), spec, args)
     with pytest.raises(ConfigError, match="has r=8, lora_alpha=8, use_rslora=False; this run has lora.rank 4"):
-        from_peft(tmp_path / "made", info, spec.hf, args, model_shapes(spec, args))
-    wider = dataclasses.replace(info, rank=8, targets=(*info.targets, "layers.0.attention.wv"))
+        from_peft(tmp_path / "made", setup, spec.hf, args, model_shapes(spec, args))
+    wider = dataclasses.replace(setup, rank=8, targets=setup.targets | {"layers.0.attention.wv"})
     with pytest.raises(ConfigError, match="has no base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"):
         from_peft(tmp_path / "made", wider, spec.hf, args, model_shapes(spec, args))
 
@@ -290,7 +340,7 @@ def test_dropout_draws_the_same_masks_when_a_block_is_recomputed(mode):
     args = dataclasses.replace(model_args(spec, "debugmodel", 0, 32), n_layers=1)
     model = spec.build(args)
     model.init_weights(0)
-    apply_lora(model, plan_lora(LoRA(rank=4, dropout=0.5, target_modules=["wq", "w2"]), spec, args))
+    apply_lora(model, setup_lora(LoRA(rank=4, dropout=0.5, target_modules=["wq", "w2"]), spec, args))
     with torch.no_grad():
         for p in (p for p in model.parameters() if p.requires_grad):
             p.normal_(0, 0.05)

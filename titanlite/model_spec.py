@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 import titanlite.models
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, WorkerError
 
 
 def _no_layout_checks(args: Any, dims: Any) -> None:
@@ -117,18 +117,16 @@ def in_model_code(exc: BaseException) -> str | None:
     family's code is on its traceback (then it is titanlite's, or torch's)."""
     roots = [Path(folder).resolve() for folder in titanlite.models.__path__]
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    # raised in a worker process (the dry run traces ranks in a multiprocessing pool): its frames
-    # come back only as the text of the cause, a multiprocessing.pool.RemoteTraceback
-    remote = getattr(exc.__cause__, "tb", None)
-    if isinstance(remote, str):
-        frames += [(f, int(n), fn) for f, n, fn in re.findall(r'File "(.+)", line (\d+), in (\S+)', remote)]
+    kind, message = type(exc).__name__, (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, WorkerError):  # raised in a worker process (a rank the dry run traces): its frames as text
+        frames += [(f, int(n), fn) for f, n, fn in re.findall(r'File "(.+)", line (\d+), in (\S+)', exc.tb)]
+        kind, message = exc.kind, exc.message
     if isinstance(exc, SyntaxError) and exc.filename:  # the file never ran: no frame of its own
         frames.append((exc.filename, exc.lineno, "<module>"))
     for filename, line, function in reversed(frames):
         path = Path(filename).resolve()
         for root in (r for r in roots if path.is_relative_to(r)):
-            message = (str(exc).strip().splitlines() or [""])[0]
-            return f"models/{path.relative_to(root)} line {line} (in {function}): {type(exc).__name__}: {message}"
+            return f"models/{path.relative_to(root)} line {line} (in {function}): {kind}: {message}"
     return None
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info, read_metadata,
                                      resume_step)
-from titanlite.checkpoint.lora import plan_lora
+from titanlite.checkpoint.lora import setup_lora
 from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data import schedule as data_schedule
@@ -108,7 +108,7 @@ def make_plan(cfg: JobConfig, world_size: int, target: str | None = None) -> Pla
     if gbs % (t.local_batch_size * dims.dp):
         raise ConfigError(f"training.global_batch_size {gbs} is not divisible by local_batch_size "
                           f"{t.local_batch_size} x dp degree {dims.dp} = {t.local_batch_size * dims.dp}")
-    lora = plan_lora(cfg.lora, spec, args)
+    lora = setup_lora(cfg.lora, spec, args)
     check_checkpoint(cfg.checkpoint, cfg.job.dump_folder, spec, args, lora)
     with torch.device("meta"):
         model = spec.build(args)

@@ -10,7 +10,8 @@ model is read). hf is a transformers folder (config.json + safetensors). torch i
 torch.save file of the model's state dict with titanlite names; read it with
 torch.load(path, weights_only=True). A LoRA run's checkpoint holds its adapter: to hf and
 torch it is merged into its base weights (the run's checkpoint.initial_load_path, or its seed),
-W + scale B A in float32; to peft it is written as a PEFT adapter folder.
+W + scale B A in float32 (an adapter on a tied output layer unties it: written with its own
+lm_head.weight); to peft it is written as a PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 
 import titanlite
 from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, write_model_checkpoint
-from titanlite.checkpoint.peft import LoRAInfo, merge, to_peft, write_peft
+from titanlite.checkpoint.peft import merge, to_peft, write_peft
 from titanlite.errors import ConfigError
+from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.hf import write_hf_folder
+from titanlite.checkpoint.lora import tied_layers, tied_note
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 FORMATS = ("dcp", "hf", "torch", "peft")
@@ -57,7 +60,7 @@ def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
 
 
 def _base(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run trained on, as it read them (titanlite.parallel.lora.checkpointing)."""
+    """The weights a LoRA run trained on, as it read them (titanlite.checkpoint.lora.checkpointing)."""
     if base["format"] == "hf":
         return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
     if base["format"] == "dcp":
@@ -76,14 +79,16 @@ def _read_dcp(path: Path, merged: bool = True):
     record = info.get("transform", {})
     if "lora" not in record:
         return spec, args, load_tensors(path, "model."), None
-    lora, trained = LoRAInfo.of(record["lora"]), load_tensors(path, "model.")
+    lora, trained = LoRASetup.of(record["lora"]), load_tensors(path, "model.")
     if not merged:
         return spec, args, trained, lora
     return spec, args, merge(_base(spec, args, record["base"]), trained, lora), lora
 
 
 def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",
-            dtype: str = "", max_shard_gb: float = 5.0) -> None:
+            dtype: str = "", max_shard_gb: float = 5.0) -> str:
+    """Writes `dst`; returns what the line saying so adds (a tied layer's adapter: how to use what
+    was written)."""
     src_path, dst_path = Path(src), Path(dst)
     cast = (lambda sd: sd) if not dtype else (lambda sd: {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
     if (src_format, dst_format) == ("dcp", "peft"):
@@ -92,9 +97,13 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
             raise ConfigError(f"{src_path} is not a LoRA run's checkpoint (no adapter); convert it to hf")
         base = read_info(src_path)["transform"]["base"]["path"]
         write_peft(dst_path, *to_peft(trained, lora, _adapter(spec), args, model_shapes(spec, args), base))
+        return tied_note(tied_layers(spec, args, lora.targets), str(src_path))
     elif (src_format, dst_format) == ("dcp", "hf"):
-        spec, args, sd, _ = _read_dcp(src_path)
+        spec, args, sd, lora = _read_dcp(src_path)
         adapter = _adapter(spec)
+        if lora is not None and tied_layers(spec, args, lora.targets):
+            # the adapter made the output its own weight: written untied, with lm_head.weight
+            args = dataclasses.replace(args, tie_embeddings=False)
         sd = cast(sd)
         out_dtype = next(iter(sd.values())).dtype
         write_hf_folder(dst_path, adapter.to_hf(sd, args), adapter.config_to_hf(args, out_dtype),
@@ -105,12 +114,18 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         net, args = titanlite.load_hf(src_path, model)
         write_model_checkpoint(dst_path, cast(net.state_dict()), model, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
-        _, _, sd, _ = _read_dcp(src_path)
+        spec, args, sd, lora = _read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cast(sd), dst_path)
+        untied = {} if lora is None else tied_layers(spec, args, lora.targets)
+        if untied:  # loaded into the tied model, one of the two weights would silently take both places
+            layer, other = min(untied.items())
+            return (f"; {layer} is tied to {other.removesuffix('.weight')} in the model, not in this file (its adapter "
+                    f"changed {layer} alone): load it into the model built untied (its args' tie_embeddings=False)")
     else:
         raise ConfigError(f"cannot convert {src_format} to {dst_format}; supported: dcp->hf, hf->dcp, dcp->torch, "
                           "dcp->peft")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,11 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if not Path(a.src).exists():
             raise ConfigError(f"{a.src} does not exist")
-        convert(a.src, a.dst, a.src_format, a.dst_format, model=a.model, dtype=a.dtype,
-                max_shard_gb=a.max_shard_gb)
+        note = convert(a.src, a.dst, a.src_format, a.dst_format, model=a.model, dtype=a.dtype,
+                       max_shard_gb=a.max_shard_gb)
     except ConfigError as e:
         sys.exit(f"titanlite: error: {e}")
-    print(f"titanlite: wrote {a.dst} ({a.dst_format})")
+    print(f"titanlite: wrote {a.dst} ({a.dst_format}){note}")
 
 
 if __name__ == "__main__":

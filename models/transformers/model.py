@@ -52,15 +52,17 @@ class ModelArgs(DecoderArgs):
 
 
 def hf_config(args: ModelArgs) -> PretrainedConfig:
-    """The transformers config `args` describe: their JSON config with their depth and vocabulary.
-    Per-layer lists (layer_types, ...) keep their first n_layers entries in a shallower copy."""
+    """The transformers config `args` describe: their JSON config with their depth, vocabulary and
+    tying. Per-layer lists (layer_types, ...) keep their first n_layers entries in a shallower copy."""
     values = json.loads(args.config)
     depth = values["num_hidden_layers"]
     for key, value in values.items():
         if isinstance(value, list) and len(value) == depth != args.n_layers:
             values[key] = value[:args.n_layers]
-    # the constructor's attn_implementation: titanlite's attention, registered with transformers
-    values.update(num_hidden_layers=args.n_layers, vocab_size=args.vocab_size, attn_implementation=ATTENTION)
+    # the constructor's attn_implementation: titanlite's attention, registered with transformers;
+    # tie_embeddings as every family's args say it (an export untied by a LoRA on lm_head)
+    values.update(num_hidden_layers=args.n_layers, vocab_size=args.vocab_size, attn_implementation=ATTENTION,
+                  tie_word_embeddings=args.tie_embeddings)
     return CONFIG_MAPPING[values["model_type"]].from_dict(values)
 
 

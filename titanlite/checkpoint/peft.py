@@ -7,16 +7,14 @@ q and k rows). Then B's rows move as W's rows and A's columns as W's columns (P 
 = P (W + s B A) Q). The permutations are read off to_hf itself, run on index tensors, so they
 cannot drift from the weights' mapping. A weight to_hf does not map to one transformers weight
 by a permutation (fused with another, or split) has no adapter PEFT could load: `hf_layout`
-says so, and titanlite.parallel.lora refuses it as a target before launch.
+says so, and titanlite.checkpoint.lora.setup_lora refuses it as a target before launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from safetensors.torch import save_file
 
 from titanlite.checkpoint.hf import HFAdapter
 from titanlite.errors import ConfigError
+from titanlite.layers.lora import LoRASetup
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -33,33 +32,12 @@ PREFIX = "base_model.model."
 """Where PeftModel keeps the transformers model: every saved key starts with it."""
 
 
-@dataclass(frozen=True)
-class LoRAInfo:
-    """A LoRA run's settings as its checkpoints record them (titanlite.json, "lora")."""
-
-    rank: int
-    alpha: float
-    rslora: bool
-    dropout: float
-    targets: tuple[str, ...]
-    """Full names of the adapted linear layers."""
-    full: tuple[str, ...]
-    """Full names of the modules trained whole."""
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    @classmethod
-    def of(cls, saved: Mapping[str, Any]) -> LoRAInfo:
-        return cls(int(saved["rank"]), float(saved["alpha"]), bool(saved["rslora"]), float(saved["dropout"]),
-                   tuple(saved["targets"]), tuple(saved["full"]))
-
-
 # ---- the weights' mapping, read off the family's to_hf ------------------------------
 
 def _untied(args: Any) -> Any:
-    # a tied output is dropped by to_hf (transformers re-ties it): asked about alone, it has a name
+    # a tied output is dropped by to_hf (transformers re-ties it): asked about alone, it has its own
+    # name (lm_head), which PEFT adapts; an adapter on it unties the model, and the merged exports
+    # are written untied (titanlite.layers.lora.tied_targets)
     return dataclasses.replace(args, tie_embeddings=False) if getattr(args, "tie_embeddings", False) else args
 
 
@@ -171,27 +149,27 @@ def _target_list(modules: list[str], every: list[str]) -> list[str]:
     return short if chosen == set(modules) else sorted(modules)
 
 
-def to_peft(state: Mapping[str, torch.Tensor], info: LoRAInfo, adapter: HFAdapter, args: Any,
+def to_peft(state: Mapping[str, torch.Tensor], setup: LoRASetup, adapter: HFAdapter, args: Any,
             shapes: Mapping[str, torch.Size], base: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A LoRA run's trained tensors (full, titanlite names: `<layer>.lora_A.weight`, ... and the
     whole modules' parameters) -> PEFT's tensors and adapter_config.json. `shapes`: the base
     model's weights (whole model); `base`: base_model_name_or_path."""
     tensors, targets, layout = {}, [], HFLayouts(adapter, args, shapes)
-    for layer in info.targets:
+    for layer in sorted(setup.targets):
         name, rows, cols = layout(f"{layer}.weight")
         module = _module(name)
         targets.append(module)
         tensors[f"{PREFIX}{module}.lora_A.weight"] = state[f"{layer}.lora_A.weight"][:, cols].contiguous()
         tensors[f"{PREFIX}{module}.lora_B.weight"] = state[f"{layer}.lora_B.weight"][rows].contiguous()
     full_modules = []
-    for module in info.full:
+    for module in sorted(setup.full):
         own = {k: v for k, v in state.items() if k.startswith(f"{module}.")}
         mapped = adapter.to_hf(own, _untied(args))
         tensors |= {PREFIX + k: v.contiguous() for k, v in mapped.items()}
         full_modules += sorted({k.rpartition(".")[0] for k in mapped})
     every = sorted({_module(n) for n in hf_names(adapter, args, shapes).values()})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": info.rank,
-              "lora_alpha": info.alpha, "lora_dropout": info.dropout, "use_rslora": info.rslora,
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": setup.rank,
+              "lora_alpha": setup.alpha, "lora_dropout": setup.dropout, "use_rslora": setup.rslora,
               "target_modules": _target_list(targets, every), "modules_to_save": full_modules or None,
               "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
               "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
@@ -219,18 +197,18 @@ def read_peft_config(folder: str | Path) -> dict[str, Any]:
     return config
 
 
-def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
+def from_peft(folder: str | Path, setup: LoRASetup, adapter: HFAdapter, args: Any,
               shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """A PEFT folder -> the run's adapter tensors (titanlite names, `info`'s targets), after
+    """A PEFT folder -> the run's adapter tensors (titanlite names, `setup`'s targets), after
     refusing in one line a folder made for other settings: another rank, alpha or scaling, or
     another set of adapted layers or whole modules (nothing is left at its initial value unsaid)."""
     folder, config = Path(folder), read_peft_config(folder)
     where = f"lora.initial_adapter {folder}"
     theirs = (config.get("r"), float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False)))
-    if theirs != (info.rank, info.alpha, info.rslora) or config.get("rank_pattern") or config.get("alpha_pattern"):
+    if theirs != (setup.rank, setup.alpha, setup.rslora) or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ConfigError(f"{where} has r={theirs[0]}, lora_alpha={theirs[1]:g}, use_rslora={theirs[2]}"
                           f"{' and per-module patterns' if config.get('rank_pattern') or config.get('alpha_pattern') else ''}"
-                          f"; this run has lora.rank {info.rank}, lora.alpha {info.alpha:g}, lora.rslora {info.rslora}: "
+                          f"; this run has lora.rank {setup.rank}, lora.alpha {setup.alpha:g}, lora.rslora {setup.rslora}: "
                           "set those to the folder's")
     try:
         with safe_open(str(folder / WEIGHTS), framework="pt") as f:
@@ -238,7 +216,7 @@ def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
     except Exception as e:
         raise ConfigError(f"{where}: unreadable {WEIGHTS} ({e})") from None
     out, used, layout = {}, set(), HFLayouts(adapter, args, shapes)
-    for layer in info.targets:
+    for layer in sorted(setup.targets):
         name, rows, cols = layout(f"{layer}.weight")
         for part, (dim, order) in (("lora_A", (1, cols)), ("lora_B", (0, rows))):
             key = f"{PREFIX}{_module(name)}.{part}.weight"
@@ -248,9 +226,9 @@ def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
             back = torch.argsort(order)  # transformers index i holds titanlite index order[i]
             out[f"{layer}.{part}.weight"] = saved[key].index_select(dim, back)
             used.add(key)
-    for module in info.full:
+    for module in sorted(setup.full):
         own = {k: v for k, v in shapes.items() if k.startswith(f"{module}.")}
-        for key, hf_key in hf_names(adapter, args, own).items():  # (plan_lora checked each has one)
+        for key, hf_key in hf_names(adapter, args, own).items():  # (setup_lora checked each has one)
             if PREFIX + hf_key not in saved:
                 raise ConfigError(f"{where} has no {PREFIX + hf_key} for {module} (lora.train_in_full)")
             out |= adapter.from_hf({hf_key: saved[PREFIX + hf_key]}, _untied(args))
@@ -263,7 +241,7 @@ def from_peft(folder: str | Path, info: LoRAInfo, adapter: HFAdapter, args: Any,
     return out
 
 
-def merge(base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor], info: LoRAInfo
+def merge(base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor], setup: LoRASetup
           ) -> dict[str, torch.Tensor]:
     """The base model's full state dict with each adapter added to its weight, W + scale B A in
     float32, and the whole modules' trained weights in place (titanlite names, float32)."""
@@ -271,7 +249,7 @@ def merge(base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor],
     for key, value in trained.items():
         if ".lora_" not in key:
             out[key] = value.float()
-    for layer in info.targets:
+    for layer in sorted(setup.targets):
         a, b = trained[f"{layer}.lora_A.weight"].float(), trained[f"{layer}.lora_B.weight"].float()
-        out[f"{layer}.weight"] = out[f"{layer}.weight"] + (b @ a) * info.scale
+        out[f"{layer}.weight"] = out[f"{layer}.weight"] + (b @ a) * setup.scale
     return out

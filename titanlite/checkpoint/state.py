@@ -41,9 +41,10 @@ class ModelState:
 
 @dataclasses.dataclass(frozen=True)
 class Transformed:
-    """What a model transform applied before the parallel plan (LoRA: titanlite.parallel.lora)
-    asks of checkpoints, beside what frozen weights ask of any run: a checkpoint holds what
-    trains, and the frozen weights come from checkpoint.initial_load_path on every start."""
+    """What a model transform applied before the parallel plan asks of checkpoints (LoRA's:
+    titanlite.checkpoint.lora.checkpointing), beside what frozen weights ask of any run: a
+    checkpoint holds what trains, and the frozen weights come from checkpoint.initial_load_path
+    on every start."""
 
     apply: Callable[[nn.Module], None]
     """The transform, applied to the whole model built on meta: the names a checkpoint may hold."""

@@ -46,7 +46,7 @@ from titanlite.dryrun.replay import Trace, result as replay
 from titanlite.dryrun.report import print_table, report
 from titanlite.dryrun.standins import TracedReferee, fake_routing, fused_norms
 from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
-from titanlite.errors import ConfigError
+from titanlite.errors import ConfigError, WorkerError
 from titanlite.layers import init
 from titanlite.loop import Update, one_step
 from titanlite.loss import build_loss_fn
@@ -203,6 +203,10 @@ def trace_role(cfg: JobConfig, plan: Plan, world_size: int, selection: Selection
     try:
         meshes = plan.dims.build_meshes("cpu")
         return role_of(trace_step(cfg, plan, meshes, selection, fake, device, full), selection, rank)
+    except ConfigError:
+        raise
+    except Exception as e:  # sent back as text: whatever it holds, its type, message and place arrive
+        raise WorkerError.of(e) from None
     finally:
         dist.destroy_process_group()
 
@@ -378,15 +382,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except Exception as e:  # a titanlite bug, or a torch it does not know: one line, the traceback kept
         path = Path(tempfile.gettempdir(), f"titanlite-dryrun-{os.getpid()}.txt")
-        path.write_text(traceback.format_exc())
+        path.write_text(traceback.format_exc() + (f"\nraised in a traced rank's process:\n{e.tb}"
+                                                  if isinstance(e, WorkerError) else ""))
         mine = in_model_code(e)
         if mine is not None:  # the model's own code: launching without the dry run fails the same way
             print(f"titanlite: error: {what} failed in the model's code, {mine}; traceback in {path}",
                   file=sys.stderr)
             sys.exit(1)
-        message = (str(e).strip().splitlines() or [""])[0]
-        print(f"titanlite: error: {what} failed inside titanlite ({type(e).__name__}: {message}) on torch "
-              f"{torch.__version__}; traceback in {path}{skip}", file=sys.stderr)
+        said = e if isinstance(e, WorkerError) else WorkerError.of(e)  # type, message, file:line alike
+        print(f"titanlite: error: {what} failed inside titanlite ({said}) on torch {torch.__version__}; traceback "
+              f"in {path}{skip}", file=sys.stderr)
         sys.exit(1)
     print_table(rep)
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")

@@ -5,25 +5,34 @@ linears: y = W x + scale * B A dropout(x), A [rank, in] and B [out, rank] (named
 and `lora_B.weight`, as PEFT names them). B starts at zero, so a run starts from the base model's
 function; A is drawn as PEFT draws it, U(-1/sqrt(in), 1/sqrt(in)), by name (titanlite.layers.init),
 so every layout starts from the same adapters. scale = alpha / rank, or alpha / sqrt(rank) with
-rsLoRA (Kalajdzievski 2023). titanlite.parallel.lora applies this to a model before its
-parallel plan; this file is the single-device math.
+rsLoRA (Kalajdzievski 2023). This file is the transform: planned (plan_lora, resolving the
+config's names on the whole model), applied (apply_lora, which titanlite.parallel.apply calls
+before the parallel plan; titanlite.parallel.lora shards the adapters) and recorded (LoRASetup),
+and the single-device math (LoRALinear).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlite.config.job import LoRA
+from titanlite.errors import ConfigError
 from titanlite.layers import init
+from titanlite.layers.moe import Router
 
 
 @dataclass(frozen=True)
 class LoRASetup:
-    """What the transform does to a model, resolved once (titanlite.parallel.lora.plan_lora)."""
+    """What the transform does to a model: planned once (plan_lora), applied by apply_lora, saved
+    in each checkpoint's titanlite.json (`record`) and read back from it (`of`)."""
 
     rank: int
     alpha: float
@@ -41,6 +50,17 @@ class LoRASetup:
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def record(self) -> dict[str, Any]:
+        """The settings a checkpoint records (titanlite.json's "lora"): those a resumed run must share."""
+        return {"rank": self.rank, "alpha": self.alpha, "rslora": self.rslora, "dropout": self.dropout,
+                "targets": sorted(self.targets), "full": sorted(self.full)}
+
+    @classmethod
+    def of(cls, saved: Mapping[str, Any]) -> LoRASetup:
+        """The setup a checkpoint recorded (`record`)."""
+        return cls(int(saved["rank"]), float(saved["alpha"]), float(saved["dropout"]), bool(saved["rslora"]),
+                   frozenset(saved["targets"]), frozenset(saved["full"]))
 
 
 class LoRALinear(nn.Linear):
@@ -80,6 +100,77 @@ class LoRALinear(nn.Linear):
         bound = 1 / math.sqrt(self.in_features)
         init.uniform_(self.lora_A.weight, f"{prefix}.lora_A.weight", seed, -bound, bound)
         init.zeros_(self.lora_B.weight)
+
+
+def _matches(name: str, names: Mapping[str, str], target: str) -> bool:
+    """`target` is the module's full titanlite or Hugging Face name, or a dotted suffix of one."""
+    return any(n == target or n.endswith("." + target) for n in (name, names.get(name, "")) if n)
+
+
+def _resolve(targets: list[str], modules: dict[str, nn.Module], names: Mapping[str, str], key: str,
+             kind: type | None) -> set[str]:
+    """Full names of the modules (of `kind`, if given) each of `targets` takes; a target that takes
+    none is refused, naming what it does match."""
+    out = set()
+    for target in targets:
+        hit = {n for n, m in modules.items() if _matches(n, names, target)}
+        took = {n for n in hit if kind is None or type(modules[n]) is kind}
+        if not took:
+            if hit:
+                first = min(hit)
+                raise ConfigError(f"{key}: '{target}' names {first}, a {type(modules[first]).__name__}, and no "
+                                  f"{kind.__name__}: adapters go on linear layers (routed experts' stacked weights "
+                                  "take none); name attention or feed-forward linears, e.g. wq or q_proj")
+            examples = sorted({n.split(".", 2)[-1] for n, m in modules.items() if type(m) is nn.Linear})[:6]
+            raise ConfigError(f"{key}: '{target}' matches no module of this model; its linear layers are named "
+                              f"like {', '.join(examples)}, or by the Hugging Face names of the family's mapping")
+        out |= took
+    return out
+
+
+def plan_lora(cfg: LoRA, model: nn.Module, names: Mapping[str, str]) -> LoRASetup:
+    """The transform lora asks of `model` (the whole model, on meta, which it adapts to count what
+    trains): its targets and whole modules by titanlite name or by `names` (a module's full name ->
+    its Hugging Face name), refused in one line where they cannot train as PEFT would: a name that
+    takes nothing, a MoE router's gate, a whole module that holds an adapter or shares its weight
+    with a frozen one. A target that shares its weight (a tied output) is untied by its adapter
+    (tied_targets)."""
+    modules = {n: m for n, m in model.named_modules() if n and any(True for _ in m.parameters())}
+    targets = _resolve(cfg.target_modules, modules, names, "lora.target_modules", nn.Linear)
+    routers = sorted(t for t in targets if isinstance(modules.get(t.rpartition(".")[0]), Router))
+    if routers:  # transformers' MoE routers are modules of their own, with a weight but no nn.Linear
+        raise ConfigError(f"lora.target_modules takes {routers[0]}, a MoE router's gate, which transformers holds as "
+                          "a router module PEFT adapts no linear of; train it whole (lora.train_in_full) or leave it")
+    full = _resolve(cfg.train_in_full, modules, names, "lora.train_in_full", None)
+    for f in sorted(full):
+        inside = sorted(t for t in targets if t == f or t.startswith(f + ".") or f.startswith(t + "."))
+        if inside:
+            raise ConfigError(f"lora.train_in_full takes {f}, which lora.target_modules adapts too ({inside[0]}): a "
+                              "module trains whole or through an adapter; leave it out of one of them")
+    shared: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(n)
+    for group in (g for g in shared.values() if len(g) > 1):
+        if any(n.startswith(f + ".") for n in group for f in full):
+            raise ConfigError(f"lora.train_in_full: {group[0]} and {group[1]} are one weight (tied), which PEFT cannot "
+                              "save as a module trained whole; adapt it instead (lora.target_modules) or train an "
+                              "untied model")
+    setup = LoRASetup(cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora, frozenset(targets), frozenset(full))
+    apply_lora(model, setup)
+    return dataclasses.replace(setup, trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                               frozen=sum(p.numel() for p in model.parameters() if not p.requires_grad))
+
+
+def tied_targets(model: nn.Module, targets: frozenset[str] | tuple[str, ...]) -> dict[str, str]:
+    """Each target layer whose weight the model shares with another parameter (a tied output
+    layer) -> that parameter's name. Its adapter unties the two: the embedding keeps W, the
+    output computes with W + scale B A, so the trained model is an untied one."""
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    return {name.removesuffix(".weight"): next(other for other in group if other != name)
+            for group in shared.values() if len(group) > 1
+            for name in group if name.endswith(".weight") and name.removesuffix(".weight") in targets}
 
 
 def apply_lora(model: nn.Module, setup: LoRASetup) -> None:

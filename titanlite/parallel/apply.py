@@ -48,7 +48,7 @@ class ParallelizeOptions:
     """With TP, shard the sequence between blocks (norms and residual stream)."""
     float8: Float8 = Float8()
     lora: LoRASetup | None = None
-    """Adapters on these layers, every other weight frozen (titanlite.checkpoint.lora.plan_lora); None: all train."""
+    """Adapters on these layers, every other weight frozen (titanlite.layers.lora.plan_lora); None: all train."""
 
 
 # Per-op selective AC keeps the outputs of these ops (the expensive ones: matmuls,

@@ -39,15 +39,19 @@ class TPPlan:
     with the heads, where a block has them."""
 
 
+def replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """`module`'s own parameters as Replicate DTensors on `mesh`, each keeping its requires_grad
+    (torch's styles make every one trainable again: a frozen norm under LoRA would train)."""
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
+                                                      requires_grad=p.requires_grad))
+
+
 class NormParallel(SequenceParallel):
-    """torch's SequenceParallel, each parameter keeping its requires_grad (torch's makes every one
-    trainable again: a frozen norm under LoRA would train)."""
+    """torch's SequenceParallel, each parameter keeping its requires_grad (replicate_params)."""
 
     def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        for pname, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(DTensor.from_local(p, device_mesh, [Replicate()],
-                                                                             run_check=False),
-                                                          requires_grad=p.requires_grad))
+        replicate_params(name, module, device_mesh)
 
 
 def between_layout(sequence_parallel: bool) -> Placement:
@@ -55,33 +59,12 @@ def between_layout(sequence_parallel: bool) -> Placement:
     return Shard(1) if sequence_parallel else Replicate()
 
 
-def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Run a module whole on every TP rank, its parameters Replicate DTensors.
-
-    Plain parameters among DTensor ones would break the optimizer's and the gradient
-    clipping's foreach ops, so every parameter lives on the TP mesh.
-    """
-    def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
-                                                       requires_grad=p.requires_grad))
-
-    distribute_module(module, mesh, params,
-                      input_fn=lambda mod, inputs, mesh: tuple(
-                          DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
-                      output_fn=lambda mod, out, mesh: out.to_local())
-
-
 def run_whole(module: nn.Module, mesh: DeviceMesh, inputs: Placement) -> nn.Module:
     """`module` whole on every tp rank: its parameters Replicate DTensors, its plain inputs taken
     as `inputs` (Replicate: the same tensor on every rank; Shard(0): each rank's own tokens), its
-    output handed back plain."""
-    def params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(pname, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False),
-                                                       requires_grad=p.requires_grad))
-
-    return distribute_module(module, mesh, params,
+    output handed back plain. Every parameter lives on the tp mesh: plain parameters among DTensor
+    ones would break the optimizer's and the gradient clipping's foreach ops."""
+    return distribute_module(module, mesh, replicate_params,
                              input_fn=lambda mod, xs, mesh: tuple(DTensor.from_local(x, mesh, [inputs], run_check=False)
                                                                   for x in xs),
                              output_fn=lambda mod, out, mesh: out.to_local())
@@ -266,7 +249,7 @@ def apply_tp(model: nn.Module, blocks: dict[str, nn.Module], mesh: DeviceMesh, p
         # as under sequence parallel, a block holds the norms it has (a fork may drop ffn_norm)
         norms += [b.get_submodule(n) for b in blocks.values() for n in plan.block_norms if _has(b, n)]
         for norm in norms:
-            _replicate(norm, mesh)
+            run_whole(norm, mesh, Replicate())
     parallelize_module(model, mesh, root)
     for name in root:
         if isinstance(model.get_submodule(name), nn.Embedding):
