@@ -100,6 +100,44 @@ def test_initialisation_is_transformers_rule_drawn_by_name():
     assert not torch.equal(other.model.layers[0].self_attn.q_proj.weight, q)
 
 
+def test_dropout_is_found_by_what_the_model_computes():
+    """GPT-2 drops out through modules and through sdpa's dropout_p (its eager and sdpa attention):
+    every one is seen in a meta forward, and the refusal names each config key that sets one."""
+    from titanlite.models.transformers.config import DropoutWatch, check_dropout
+
+    for impl in ("eager", "sdpa"):
+        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=512, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2, attn_pdrop=0.3, attn_implementation=impl)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        watch = DropoutWatch(model)
+        with watch:
+            model.train()(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+        watch.remove()
+        assert sorted(set(watch.seen)) == [(0.1, "transformer.drop"), (0.1, "transformer.h.0.attn.resid_dropout"),
+                                           (0.1, "transformer.h.0.mlp.dropout"), (0.3, "transformer.h.0.attn")], impl
+        with pytest.raises(ConfigError, match=r"set model.hf_overrides attn_pdrop=0,embd_pdrop=0,resid_pdrop=0,"
+                                              r"summary_first_dropout=0$"):
+            check_dropout("GPT2LMHeadModel", config.to_dict(), watch.seen, True)
+
+
+def test_a_window_holding_the_context_is_full_attention():
+    """A sliding window at least as long as the model's context (a real config shrunk to test) is
+    full attention, as transformers computes it: accepted, planned full, transformers' logits."""
+    from titanlite.models.transformers import TINY
+    from titanlite.models.transformers.config import args_from_config, resolve_dict
+
+    args = args_from_config(resolve_dict({"model_type": "cohere2", **TINY, "sliding_window": 4096}, "cohere2"))
+    assert args.sliding_window == 0 and {args.window(i) for i in range(args.n_layers)} == {None}
+    assert set(args.layer_types) == {"sliding_attention"}
+    model, ref = _titanlite(args), _reference(args)
+    ref.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(input_ids=tokens).logits, model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """A random transformers Gemma 3 (tied embeddings, a scaled embedding, local and global RoPE)
@@ -210,7 +248,19 @@ def _check(argv: list[str], tmp_path) -> None:
     (["--model.hf_config", "gemma2", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
      r"soft-caps its attention logits \(attn_logit_softcapping 50.0\)"),
     (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"],
-     r"LlamaAttention has attention dropout 0.1"),
+     r"LlamaForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\); titanlite trains without "
+     r"dropout, so that every layout equals one process: set model.hf_overrides attention_dropout=0$"),
+    # Seed-OSS's published config: residual dropout applied functionally (no nn.Dropout), and attention dropout
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,intermediate_size=128"],
+     r"SeedOssForCausalLM applies dropout .* set model.hf_overrides attention_dropout=0,residual_dropout=0$"),
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides",
+      "num_hidden_layers=2,hidden_size=64,intermediate_size=128,attention_dropout=0"],
+     r"SeedOssForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\).* residual_dropout=0$"),
+    (["--model.hf_config", "phi3", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,embd_pdrop=0.1,resid_pdrop=0.2"],
+     r"Phi3ForCausalLM applies dropout .* set model.hf_overrides embd_pdrop=0,resid_pdrop=0$"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", "hidden_size=64,num_hidden_layers=2", "--training.seq_len",
+      "8192"], r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* model.hf_overrides "
+               r"max_position_embeddings=8192"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
      # transformers 5.25 dropped the experts' entry from the plan; 5.24 has it in a style titanlite does not apply

@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titanlite.errors import ConfigError
 from titanlite.model_spec import Elsewhere
-from titanlite.parallel.tensor import TokenParallel, TPPlan, run_whole
+from titanlite.parallel.tensor import NormParallel, TokenParallel, TPPlan, run_whole
 
 from .model import ModelArgs, build, hf_config
 
@@ -104,7 +104,8 @@ def block_plan(block: nn.Module, config, between: Placement, key: str = TP) -> d
     names, plan = translate(config, between, key)
     subs = {p.split(".")[0] for p in names}
     plan |= {s: HiddenStatesIn(between) for s in subs}
-    stream = SequenceParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
+    # NormParallel: torch's SequenceParallel keeping each weight's requires_grad (a norm frozen under LoRA stays so)
+    stream = NormParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
     for path, module in block.named_modules():
         covered = any(path == n or path.startswith(n + ".") or n.startswith(path + ".") for n in names)
         if not path or covered or not any(True for _ in module.parameters(recurse=False)):
