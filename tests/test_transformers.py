@@ -6,9 +6,10 @@ documents apart as transformers computes each alone, its buffers (RoPE's
 inv_freq, Gemma's embedding scale) recomputed rather than left as meta init leaves them; a
 saved transformers model loaded through its folder gives transformers' logits, with the
 folder's config unchanged; activation checkpointing recomputes a transformers layer, and a
-layer compiles as one graph; bad input is one line. On 2 gloo ranks, one launch for the list:
-FSDP 2, TP 2, CP 2 and PP 2 each equal one process or are refused by the preflight, which is
-docs/transformers_models.md's table.
+layer compiles as one graph; bad input is one line (dropout named by its config keys). On 2 gloo
+ranks, one launch for the list: FSDP 2, HSDP 2 x 1, TP 2, CP 2 and PP 2 each equal one process or
+are refused by the preflight, which is docs/transformers_models.md's table; three architectures
+also compiled, on one layout each.
 """
 
 from __future__ import annotations
@@ -258,6 +259,10 @@ def _check(argv: list[str], tmp_path) -> None:
      r"SeedOssForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\).* residual_dropout=0$"),
     (["--model.hf_config", "phi3", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,embd_pdrop=0.1,resid_pdrop=0.2"],
      r"Phi3ForCausalLM applies dropout .* set model.hf_overrides embd_pdrop=0,resid_pdrop=0$"),
+    # StableLM's decoder layer drops the forward's keyword arguments: no documents, no context parallel
+    (["--model.hf_config", "stablelm", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
+     r"StableLmAttention is reached without the keyword arguments of the model's forward \(a layer of it drops "
+     r"them\)"),
     (["--model.hf_config", "llama", "--model.hf_overrides", "hidden_size=64,num_hidden_layers=2", "--training.seq_len",
       "8192"], r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* model.hf_overrides "
                r"max_position_embeddings=8192"),
@@ -313,6 +318,7 @@ def test_every_architecture_on_every_layout_is_the_table_in_the_docs(tmp_path):
     found = json.loads(out.read_text())
     bad = {f: {k: v for k, v in r.items() if v == "MISMATCH"} for f, r in found["results"].items()}
     assert not any(bad.values()) and codes == [0, 0], (bad, output[-6000:])
+    assert len(found["compiled"]) >= 3 and set(found["compiled"].values()) == {"passed"}, found["compiled"]
     docs = (REPO / "docs" / "transformers_models.md").read_text()
     written = re.search(r"differs\), on transformers (\S+?)[ :]", docs).group(1)
     if found["transformers"] != written:  # another version in pyproject's range: its refusals may differ

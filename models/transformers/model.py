@@ -245,7 +245,12 @@ def titanlite_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     key and value [B, Hkv, S, D] (this rank's heads and sequence shard) -> [B, S, Hq, D]. The mask
     is titanlite's (causal, the layer's window, the batch's documents): transformers builds none
     for a function it has no mask function for, and anything it would ask beyond that is refused."""
-    ctx: AttnContext = kwargs.get("titanlite_ctx") or AttnContext()
+    if "titanlite_ctx" not in kwargs:
+        # the batch's documents, the context-parallel group and the backend would be lost: a silent wrong
+        raise Unsupported(f"{type(module).__name__} is reached without the keyword arguments of the model's forward "
+                          "(a layer of it drops them), so titanlite's attention would not see the batch's documents "
+                          "or the context-parallel group; titanlite cannot train it")
+    ctx: AttnContext = kwargs["titanlite_ctx"]
     if dropout:
         raise AttentionDropout(dropout, type(module).__name__)
     context = getattr(getattr(module, "config", None), "max_position_embeddings", None)

@@ -112,6 +112,12 @@ def block_plan(block: nn.Module, config, between: Placement, key: str = TP) -> d
             continue  # the block's own parameters are check_tp_covered's to refuse
         sub = path.split(".")[0]
         if sub not in subs:
+            if "norm" not in type(module).__name__.lower():
+                # a sub-layer no entry splits (Hunyuan's plan has the embedding alone) would run on the
+                # residual stream's sequence shard: its attention would see this rank's tokens only
+                raise ConfigError(f"{key}: {type(config).__name__}'s layers.*.{path} ({type(module).__name__}) is in "
+                                  "no base_model_tp_plan entry and is no norm on the residual stream; train it with "
+                                  "tensor_parallel_degree 1")
             plan[path] = stream
             continue
         split = [s for n, s in names.items() if n.startswith(sub + ".") and s.startswith("colwise")]
