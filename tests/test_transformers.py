@@ -241,6 +241,10 @@ def _check(argv: list[str], tmp_path) -> None:
     assert stop.value.code == 2
 
 
+SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
+"""model.hf_overrides that make a model_type's default config small enough to check in a second."""
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--model.hf_config", "t5"], r"model_type 't5' is not a causal language model"),
     (["--model.hf_config", "lama"], r"does not know; did you mean 'llama'"),
@@ -251,21 +255,18 @@ def _check(argv: list[str], tmp_path) -> None:
     (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"],
      r"LlamaForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\); titanlite trains without "
      r"dropout, so that every layout equals one process: set model.hf_overrides attention_dropout=0$"),
-    # Seed-OSS's published config: residual dropout applied functionally (no nn.Dropout), and attention dropout
-    (["--model.hf_config", "seed_oss", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,intermediate_size=128"],
-     r"SeedOssForCausalLM applies dropout .* set model.hf_overrides attention_dropout=0,residual_dropout=0$"),
-    (["--model.hf_config", "seed_oss", "--model.hf_overrides",
-      "num_hidden_layers=2,hidden_size=64,intermediate_size=128,attention_dropout=0"],
+    # Seed-OSS's published config: attention dropout, and residual dropout applied functionally (no nn.Dropout)
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides", SMALL], r"set model.hf_overrides "
+                                                                       r"attention_dropout=0,residual_dropout=0$"),
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides", f"{SMALL},attention_dropout=0"],
      r"SeedOssForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\).* residual_dropout=0$"),
-    (["--model.hf_config", "phi3", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,embd_pdrop=0.1,resid_pdrop=0.2"],
+    (["--model.hf_config", "phi3", "--model.hf_overrides", f"{SMALL},embd_pdrop=0.1,resid_pdrop=0.2"],
      r"Phi3ForCausalLM applies dropout .* set model.hf_overrides embd_pdrop=0,resid_pdrop=0$"),
     # StableLM's decoder layer drops the forward's keyword arguments: no documents, no context parallel
-    (["--model.hf_config", "stablelm", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
-     r"StableLmAttention is reached without the keyword arguments of the model's forward \(a layer of it drops "
-     r"them\)"),
-    (["--model.hf_config", "llama", "--model.hf_overrides", "hidden_size=64,num_hidden_layers=2", "--training.seq_len",
-      "8192"], r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* model.hf_overrides "
-               r"max_position_embeddings=8192"),
+    (["--model.hf_config", "stablelm", "--model.hf_overrides", SMALL], r"StableLmAttention is reached without the "
+                                                                       r"keyword arguments of the model's forward"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", SMALL, "--training.seq_len", "8192"],
+     r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* max_position_embeddings=8192"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
      # transformers 5.25 dropped the experts' entry from the plan; 5.24 has it in a style titanlite does not apply
