@@ -127,8 +127,9 @@ def args_from_config(config: PretrainedConfig) -> ModelArgs:
 
 def check_model(args: ModelArgs) -> None:
     """Refuse, in one line, a model titanlite cannot train as it trains its own: built on meta
-    (every layer, at its real size: no memory) and run forward on meta tokens, so that what its
-    attention asks of titanlite's attention function is checked before launch too."""
+    (every layer, at its real size: no memory) and run forward on meta tokens in training mode, so
+    that what its attention asks of titanlite's attention function, and every dropout it applies,
+    are checked before launch too."""
     with torch.device("meta"):
         model = build(args)
     name = type(model).__name__.removeprefix("Titanlite")
