@@ -68,7 +68,7 @@ def meshes_of(dims: ParallelDims):
 
 
 def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1, schedule: str = "",
-         ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0, cp: int = 1) -> bool:
+         ep: int = 1, rep: int = 1, muon: bool = False, layers: int = 0, cp: int = 1, compile: bool = False) -> bool:
     dims = ParallelDims(rep, dp_shard, cp, tp, pp=pp, ep=ep)
     meshes = meshes_of(dims)
     name, _, flavor = name.partition("/")  # MODEL or MODEL/FLAVOR
@@ -93,7 +93,7 @@ def main(name: str, dp_shard: int, tp: int, sequence_parallel: bool, pp: int = 1
         want_loss = cross_entropy_sum(ref(inputs, AttnContext(None, docs)), labels).div(n_targets)
         want_loss.backward()
 
-    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(),
+    opts = ParallelizeOptions(torch.float32, torch.float32, "default", ActivationCheckpoint(), Compile(enable=compile),
                               loss_parallel=tp > 1, sequence_parallel=sequence_parallel)
     rows = inputs.shape[0] // dims.dp
     mine = slice(meshes.dp.get_local_rank() * rows, (meshes.dp.get_local_rank() + 1) * rows)

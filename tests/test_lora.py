@@ -2,7 +2,8 @@
 
 One gloo launch (tests/lora_layouts.py) runs the real trainer on FSDP 2 (saving at steps 5 and
 10), FSDP 2 again resumed from step 5, TP 2, PP 2, CP 2 (with activation checkpointing) and HSDP
-2 x 1 (compiled) on llama3, and EP 2 on qwen3_moe; each llama3 run starts from a transformers folder (TP 2
+2 x 1 (compiled) on llama3, EP 2 on qwen3_moe, and TP 2 (sequence parallel), FSDP 2 and HSDP 2 x 1 on
+the transformers family's Qwen3; each llama3 run starts from a transformers folder (TP 2
 from the same weights as a titanlite checkpoint) and from an adapter PEFT made (random, non-zero
 lora_B), with Muon on the adapters and AdamW on lm_head, trained whole. Every loss equals the
 single-process run's, the optimizer holds exactly the adapters and lm_head, every frozen weight
@@ -47,11 +48,12 @@ REPO = Path(__file__).resolve().parent.parent
 TARGETS = "q_proj,k_proj,v_proj,o_proj,down_proj"  # by their Hugging Face names
 
 
-def _hf_base(name: str, folder: Path, seed: int = 7, layers: int = 0) -> tuple[torch.nn.Module, object]:
-    """A random titanlite model (non-trivial norms; the debug flavor, with `layers` blocks if
-    given) written as a transformers folder."""
+def _hf_base(name: str, folder: Path, seed: int = 7, layers: int = 0,
+             flavor: str = "debugmodel") -> tuple[torch.nn.Module, object]:
+    """A random titanlite model (non-trivial norms; the flavor, with `layers` blocks if given)
+    written as a transformers folder."""
     spec = get_model_spec(name)
-    args = model_args(spec, "debugmodel", 0, 64)
+    args = model_args(spec, flavor, 0, 64)
     args = dataclasses.replace(args, n_layers=layers) if layers else args
     model = spec.build(args)
     model.init_weights(seed)
@@ -176,6 +178,11 @@ def layouts(tmp_path_factory):
             "hf", "--optimizer.name", "Muon", "--optimizer.lr", "3e-3"]
     moe = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8", "--lora.rank", "4",
            "--lora.target_modules", "wq,wv", "--moe.aux_loss_coeff", "0.01"]
+    # the transformers family (Qwen3: QK-norms, a sliding-window layer) from a folder, its norms frozen
+    _hf_base("transformers", root / "tf_base", flavor="debug_qwen3")
+    tf = [*TINY, "--model.name", "transformers", "--model.flavor", "debug_qwen3", "--training.global_batch_size", "8",
+          "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", TARGETS, "--optimizer.lr", "1e-2",
+          "--checkpoint.initial_load_path", str(root / "tf_base"), "--checkpoint.initial_load_format", "hf"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
     runs = {
         "fsdp2": [*lora, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
@@ -190,12 +197,16 @@ def layouts(tmp_path_factory):
         "hsdp2x1": [*lora, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
                     "--compile.enable", "true"],
         "ep2": [*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+        "tf_tp2": [*tf, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *ckpt],
+        "tf_fsdp2": [*tf, "--training.local_batch_size", "4", *ckpt],
+        "tf_hsdp2x1": [*tf, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"],
     }
     dumps = {name: root / ("fsdp2" if name == "resumed" else name) for name in runs}
     argv = " + ".join(" ".join([*args, "--job.dump_folder", str(dumps[name])]) for name, args in runs.items())
     codes, output = spawn_ranks(2, [str(REPO / "tests" / "lora_layouts.py"), *argv.split()], timeout=900)
     refs = {"llama3": reference([*lora, "--training.local_batch_size", "8"]),
-            "qwen3_moe": reference([*moe, "--training.local_batch_size", "8"])}
+            "qwen3_moe": reference([*moe, "--training.local_batch_size", "8"]),
+            "transformers": reference([*tf, "--training.local_batch_size", "8"])}
     return dict(root=root, runs=runs, dumps=dumps, output=output, codes=codes, refs=refs, lora=lora)
 
 
@@ -216,6 +227,33 @@ def test_every_layout_matches_one_process_and_trains_only_the_adapters(layouts):
         assert_parity(ref.losses, [r["loss"] for r in got])
         diffs = [abs(a - r["loss"]) / a for a, r in zip(ref.losses, got)]
         print(f"{name}: first-step loss rel. diff {diffs[0]:.1e}, worst of {len(diffs)} steps {max(diffs):.1e}")
+
+
+def test_the_transformers_family_on_every_layout_matches_one_process(layouts):
+    """TP 2 with sequence parallel (its norms frozen through NormParallel), FSDP 2 and HSDP 2 x 1:
+    each rank's optimizer holds the adapters alone and every frozen weight is bitwise unchanged
+    (the first test), and the losses are one process's: 1e-6 at step 1, 1e-5 over 10 steps."""
+    for name in ("tf_tp2", "tf_fsdp2", "tf_hsdp2x1"):
+        assert_parity(layouts["refs"]["transformers"].losses, [r["loss"] for r in _rows(layouts["dumps"][name])],
+                      rtol=1e-5)
+
+
+@pytest.mark.parametrize("run", ["tf_fsdp2", "tf_tp2"])
+def test_a_two_rank_transformers_export_loads_in_peft_with_the_runs_logits(layouts, run, tmp_path):
+    """The PEFT adapter a 2-rank run of the transformers family wrote (gathered from FSDP's or
+    TP's shards) gives, in peft over the base folder, the logits of the run's last checkpoint
+    merged into the base (titanlite's convert, read by transformers)."""
+    root, dump = layouts["root"], layouts["dumps"][run]
+    convert_main(["dcp", "hf", str(dump / "checkpoint" / "step-10"), str(tmp_path / "merged")])
+    peft = _load_peft(root / "tf_base", dump / "peft")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").float().eval()
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, ours = peft(tokens).logits, merged(input_ids=tokens).logits
+        with peft.disable_adapter():
+            base = peft(tokens).logits
+    assert (ours - base).abs().max() > 0.5  # ten steps moved the logits far beyond the tolerance
+    assert (ours - theirs).abs().max().item() <= 1e-5
 
 
 def test_resume_is_bitwise_and_a_checkpoint_holds_the_adapter_only(layouts):

@@ -6,9 +6,10 @@ documents apart as transformers computes each alone, its buffers (RoPE's
 inv_freq, Gemma's embedding scale) recomputed rather than left as meta init leaves them; a
 saved transformers model loaded through its folder gives transformers' logits, with the
 folder's config unchanged; activation checkpointing recomputes a transformers layer, and a
-layer compiles as one graph; bad input is one line. On 2 gloo ranks, one launch for the list:
-FSDP 2, TP 2, CP 2 and PP 2 each equal one process or are refused by the preflight, which is
-docs/transformers_models.md's table.
+layer compiles as one graph; bad input is one line (dropout named by its config keys). On 2 gloo
+ranks, one launch for the list: FSDP 2, HSDP 2 x 1, TP 2, CP 2 and PP 2 each equal one process or
+are refused by the preflight, which is docs/transformers_models.md's table; three architectures
+also compiled, on one layout each.
 """
 
 from __future__ import annotations
@@ -98,6 +99,44 @@ def test_initialisation_is_transformers_rule_drawn_by_name():
     again, other = _titanlite(SPEC.flavors["debug_llama"]), _titanlite(SPEC.flavors["debug_llama"], seed=1)
     assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, q)
     assert not torch.equal(other.model.layers[0].self_attn.q_proj.weight, q)
+
+
+def test_dropout_is_found_by_what_the_model_computes():
+    """GPT-2 drops out through modules and through sdpa's dropout_p (its eager and sdpa attention):
+    every one is seen in a meta forward, and the refusal names each config key that sets one."""
+    from titanlite.models.transformers.config import DropoutWatch, check_dropout
+
+    for impl in ("eager", "sdpa"):
+        config = AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=512, n_positions=64,
+                                      bos_token_id=1, eos_token_id=2, attn_pdrop=0.3, attn_implementation=impl)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        watch = DropoutWatch(model)
+        with watch:
+            model.train()(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+        watch.remove()
+        assert sorted(set(watch.seen)) == [(0.1, "transformer.drop"), (0.1, "transformer.h.0.attn.resid_dropout"),
+                                           (0.1, "transformer.h.0.mlp.dropout"), (0.3, "transformer.h.0.attn")], impl
+        with pytest.raises(ConfigError, match=r"set model.hf_overrides attn_pdrop=0,embd_pdrop=0,resid_pdrop=0,"
+                                              r"summary_first_dropout=0$"):
+            check_dropout("GPT2LMHeadModel", config.to_dict(), watch.seen, True)
+
+
+def test_a_window_holding_the_context_is_full_attention():
+    """A sliding window at least as long as the model's context (a real config shrunk to test) is
+    full attention, as transformers computes it: accepted, planned full, transformers' logits."""
+    from titanlite.models.transformers import TINY
+    from titanlite.models.transformers.config import args_from_config, resolve_dict
+
+    args = args_from_config(resolve_dict({"model_type": "cohere2", **TINY, "sliding_window": 4096}, "cohere2"))
+    assert args.sliding_window == 0 and {args.window(i) for i in range(args.n_layers)} == {None}
+    assert set(args.layer_types) == {"sliding_attention"}
+    model, ref = _titanlite(args), _reference(args)
+    ref.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ref(input_ids=tokens).logits, model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +241,10 @@ def _check(argv: list[str], tmp_path) -> None:
     assert stop.value.code == 2
 
 
+SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
+"""model.hf_overrides that make a model_type's default config small enough to check in a second."""
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--model.hf_config", "t5"], r"model_type 't5' is not a causal language model"),
     (["--model.hf_config", "lama"], r"does not know; did you mean 'llama'"),
@@ -210,7 +253,20 @@ def _check(argv: list[str], tmp_path) -> None:
     (["--model.hf_config", "gemma2", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64"],
      r"soft-caps its attention logits \(attn_logit_softcapping 50.0\)"),
     (["--model.hf_config", "llama", "--model.hf_overrides", "attention_dropout=0.1"],
-     r"LlamaAttention has attention dropout 0.1"),
+     r"LlamaForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\); titanlite trains without "
+     r"dropout, so that every layout equals one process: set model.hf_overrides attention_dropout=0$"),
+    # Seed-OSS's published config: attention dropout, and residual dropout applied functionally (no nn.Dropout)
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides", SMALL], r"set model.hf_overrides "
+                                                                       r"attention_dropout=0,residual_dropout=0$"),
+    (["--model.hf_config", "seed_oss", "--model.hf_overrides", f"{SMALL},attention_dropout=0"],
+     r"SeedOssForCausalLM applies dropout in training \(0.1 in model.layers.0.self_attn\).* residual_dropout=0$"),
+    (["--model.hf_config", "phi3", "--model.hf_overrides", f"{SMALL},embd_pdrop=0.1,resid_pdrop=0.2"],
+     r"Phi3ForCausalLM applies dropout .* set model.hf_overrides embd_pdrop=0,resid_pdrop=0$"),
+    # StableLM's decoder layer drops the forward's keyword arguments: no documents, no context parallel
+    (["--model.hf_config", "stablelm", "--model.hf_overrides", SMALL], r"StableLmAttention is reached without the "
+                                                                       r"keyword arguments of the model's forward"),
+    (["--model.hf_config", "llama", "--model.hf_overrides", SMALL, "--training.seq_len", "8192"],
+     r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* max_position_embeddings=8192"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
      # transformers 5.25 dropped the experts' entry from the plan; 5.24 has it in a style titanlite does not apply
@@ -263,6 +319,7 @@ def test_every_architecture_on_every_layout_is_the_table_in_the_docs(tmp_path):
     found = json.loads(out.read_text())
     bad = {f: {k: v for k, v in r.items() if v == "MISMATCH"} for f, r in found["results"].items()}
     assert not any(bad.values()) and codes == [0, 0], (bad, output[-6000:])
+    assert len(found["compiled"]) >= 3 and set(found["compiled"].values()) == {"passed"}, found["compiled"]
     docs = (REPO / "docs" / "transformers_models.md").read_text()
     written = re.search(r"differs\), on transformers (\S+?)[ :]", docs).group(1)
     if found["transformers"] != written:  # another version in pyproject's range: its refusals may differ

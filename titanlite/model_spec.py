@@ -147,6 +147,10 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
                           f"available: {', '.join(spec.flavors)}")
     else:
         args = spec.flavors[flavor]
+    if seq_len > args.max_seq_len and (hf_config or hf_overrides):
+        raise ConfigError(f"training.seq_len {seq_len} exceeds {flavor}'s max_position_embeddings "
+                          f"{args.max_seq_len}; train on shorter sequences, or set model.hf_overrides "
+                          f"max_position_embeddings={seq_len} if the model's positions allow it")
     if seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len {seq_len} exceeds {spec.name} {flavor}'s "
                           f"max_seq_len {args.max_seq_len}")

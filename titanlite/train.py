@@ -39,7 +39,7 @@ from titanlite.metrics import MetricsLogger, Throughput, default_run_name, devic
     reduce_losses
 from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers, warmup_note
-from titanlite.layers.lora import LoRASetup
+from titanlite.layers.lora import DROPOUT_MASKS, LoRASetup
 from titanlite.parallel import context, float8, pipeline
 from titanlite.parallel.apply import ParallelizeOptions, parallelize
 from titanlite.parallel.mesh import Meshes, init_process_group, pick_device
@@ -266,6 +266,8 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
             print(f"titanlite: LoRA rank {plan.lora.rank} on {len(plan.lora.targets)} layers"
                   f"{f', {len(plan.lora.full)} modules trained whole' if plan.lora.full else ''}: "
                   f"{plan.lora.trained / 1e6:.3g}M parameters train, {plan.lora.frozen / 1e6:.3g}M are frozen", flush=True)
+            if plan.lora.dropout > 0:
+                print(f"titanlite: LoRA dropout {plan.lora.dropout}: {DROPOUT_MASKS}", flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
         for phase in plan.schedule.phases if plan.schedule.warms_up else ():

@@ -37,6 +37,20 @@ DEBUG = {
     "glm4": dict(partial_rotary_factor=0.5),
     "starcoder2": dict(sliding_window=8, hidden_act="gelu_pytorch_tanh"),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # what the list above lacks: dropout in the published config (off here), q/k/v biases without o's
+    "seed_oss": dict(attention_dropout=0.0, residual_dropout=0.0),
+    # LayerNorm, attention and MLP in parallel off one norm, a logit scale, a tied lm_head
+    "cohere2": _SLIDING,
+    # norms after attention and MLP (not before), QK-norm, windows on some layers
+    "exaone4": _SLIDING,
+    # a squared-ReLU MLP without a gate
+    "arcee": {},
+    # QK-norm after RoPE
+    "hunyuan_v1_dense": {},
+    # LayerNorm without parameters
+    "olmo": {},
+    # a mixture of experts with a router of its own (and a sliding window on every layer)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
 }
 """model_type -> what its debug flavor (debug_<model_type>) changes of TINY; every architecture
 the parity test runs (tests/test_transformers_parity.py)."""

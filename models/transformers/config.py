@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -21,7 +23,7 @@ from titanlite.checkpoint.hf import read_config
 from titanlite.errors import ConfigError
 from titanlite.layers.attention import AttnContext, AttnSetup
 
-from .model import ModelArgs, Unsupported, build, causal_lm_class
+from .model import AttentionDropout, ModelArgs, Unsupported, build, causal_lm_class
 
 LAYOUT = {"model.embed_tokens": nn.Embedding, "model.layers": nn.ModuleList, "model.norm": nn.Module,
           "lm_head": nn.Linear}
@@ -97,15 +99,19 @@ def args_from_config(config: PretrainedConfig) -> ModelArgs:
     n_heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     kinds = getattr(config, "layer_types", None)
+    context = getattr(config, "max_position_embeddings", None) or 4096
+    # a window that holds the whole context is full attention, as transformers computes it
+    # (titanlite.models.transformers.model.titanlite_attention runs it so)
+    window = getattr(config, "sliding_window", None) or 0
     args = ModelArgs(dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=n_heads,
                      n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
                      vocab_size=config.vocab_size,
                      norm_eps=float(next((getattr(config, k) for k in ("rms_norm_eps", "layer_norm_eps", "norm_eps")
                                           if getattr(config, k, None) is not None), 1e-6)),
                      rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0)),
-                     max_seq_len=getattr(config, "max_position_embeddings", None) or 4096,
+                     max_seq_len=context,
                      tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     sliding_window=getattr(config, "sliding_window", None) or 0,
+                     sliding_window=window if window < context else 0,
                      layer_types=tuple(kinds or ()),
                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
                      ffn_hidden=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
@@ -113,15 +119,17 @@ def args_from_config(config: PretrainedConfig) -> ModelArgs:
     if set(args.layer_types) - set(ModelArgs.layer_kinds):
         other = sorted(set(args.layer_types) - set(ModelArgs.layer_kinds))[0]
         raise ConfigError(f"model.hf_config: {type(config).__name__} layer_types has '{other}' layers; titanlite's "
-                          "attention computes full and sliding-window causal attention only")
+                          "attention computes full and sliding-window causal attention only: set model.hf_overrides "
+                          "layer_types to a list of full_attention and sliding_attention")
     check_model(args)
     return args
 
 
 def check_model(args: ModelArgs) -> None:
     """Refuse, in one line, a model titanlite cannot train as it trains its own: built on meta
-    (every layer, at its real size: no memory) and run forward on meta tokens, so that what its
-    attention asks of titanlite's attention function is checked before launch too."""
+    (every layer, at its real size: no memory) and run forward on meta tokens in training mode, so
+    that what its attention asks of titanlite's attention function, and every dropout it applies,
+    are checked before launch too."""
     with torch.device("meta"):
         model = build(args)
     name = type(model).__name__.removeprefix("Titanlite")
@@ -135,24 +143,83 @@ def check_model(args: ModelArgs) -> None:
                               "at model.embed_tokens, model.layers, model.norm and lm_head (transformers' "
                               "base_model_pp_plan layout)")
     for path, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ConfigError(f"model.hf_config: {name}'s {path} drops out {module.p} of its inputs; titanlite "
-                              "trains without dropout (every layout equal to one process): set that dropout to 0 "
-                              "in model.hf_overrides")
         if getattr(module, "attn_logit_softcapping", None) is not None:
             raise ConfigError(f"model.hf_config: {name}'s {path} soft-caps its attention logits "
                               f"(attn_logit_softcapping {module.attn_logit_softcapping}), which titanlite's attention "
-                              "does not compute; set attn_logit_softcapping=null in model.hf_overrides")
+                              "does not compute; set model.hf_overrides attn_logit_softcapping=null")
     windows = tuple({args.window(i) for i in range(args.n_layers)})
     tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    watch = DropoutWatch(model)
+    complete = False
     try:
-        with torch.no_grad():
-            model(tokens, AttnContext(setup=AttnSetup(windows=windows)))
+        with torch.no_grad(), watch:
+            model.train()(tokens, AttnContext(setup=AttnSetup(windows=windows)))
+        complete = True
+    except AttentionDropout as e:
+        watch.seen.append((e.p, watch.running[-1] if watch.running else e.where))
     except Unsupported as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"model.hf_config: {first}") from None
     except (NotImplementedError, RuntimeError):
-        pass  # an operation meta tensors cannot run (a MoE's routing): the first real forward checks the same
+        pass  # an operation meta tensors cannot run (a MoE's routing): the first real forward checks the rest
+    finally:
+        watch.remove()
+    check_dropout(name, json.loads(args.config), watch.seen, complete)
+
+
+DROPOUT_KEYS = ("dropout", "pdrop")
+"""What the config keys of a dropout probability contain (attention_dropout, resid_pdrop, ...)."""
+
+
+def check_dropout(name: str, config: dict[str, Any], seen: list[tuple[float, str]], complete: bool) -> None:
+    """Refuse a model whose training forward applies dropout (`seen`: probability and module of
+    each dropout it applied), naming the config keys that set it: titanlite trains without dropout,
+    so that every layout computes what one process does. Where the forward could not run to its
+    end on meta (`complete` False), any non-zero dropout key of the config is refused."""
+    keys = sorted(k for k, v in config.items() if any(d in k for d in DROPOUT_KEYS)
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0)
+    if not seen and (complete or not keys):
+        return
+    where = f" ({seen[0][0]} in {seen[0][1] or 'the model'})" if seen else ""
+    if not keys:
+        raise ConfigError(f"model.hf_config: {name} applies dropout in training{where} that no *dropout* or *pdrop* "
+                          "key of its config sets; titanlite trains without dropout, so that every layout equals one "
+                          "process: docs/transformers_models.md")
+    raise ConfigError(f"model.hf_config: {name} applies dropout in training{where}; titanlite trains without dropout, "
+                      "so that every layout equals one process: set model.hf_overrides "
+                      + ",".join(f"{k}=0" for k in keys))
+
+
+class DropoutWatch(TorchFunctionMode):
+    """Every dropout a forward applies with p > 0 in training, as a module (nn.Dropout calls
+    F.dropout) or a function (F.dropout, torch.dropout, native_dropout, their feature and alpha
+    variants, sdpa's dropout_p): (p, the innermost module of `model` running it)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.seen: list[tuple[float, str]] = []
+        self.running: list[str] = []
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, p=path: self.running.append(p)))
+            self.handles.append(module.register_forward_hook(lambda m, a, out: self.running.pop() and None))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        p, training = 0.0, False
+        if func is F.scaled_dot_product_attention:  # (q, k, v, attn_mask=None, dropout_p=0.0, ...)
+            p, training = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0), True
+        elif "dropout" in getattr(func, "__name__", ""):
+            # F.dropout(input, p=0.5, training=True, ...); torch.dropout / native_dropout(input, p, train)
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        if training and p:
+            self.seen.append((float(p), self.running[-1] if self.running else ""))
+        return func(*args, **kwargs)
 
 
 def _version() -> str:

@@ -224,6 +224,16 @@ class Unsupported(RuntimeError):
     """What a model asks of its attention function that titanlite's cannot compute."""
 
 
+class AttentionDropout(Unsupported):
+    """Dropout on the attention weights, which titanlite's attention does not apply: the model
+    check (titanlite.models.transformers.config.check_model) names the config key that sets it."""
+
+    def __init__(self, p: float, where: str):
+        super().__init__(f"{where} has attention dropout {p}, which titanlite's attention cannot compute; "
+                         "set the config's attention dropout to 0 in model.hf_overrides")
+        self.p, self.where = p, where
+
+
 KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "titanlite_ctx", "is_causal"}
 """Keywords transformers' decoders pass their attention function that change nothing it
 computes in training (position_ids reached RoPE before it; no cache); any other is refused
@@ -237,11 +247,21 @@ def titanlite_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     key and value [B, Hkv, S, D] (this rank's heads and sequence shard) -> [B, S, Hq, D]. The mask
     is titanlite's (causal, the layer's window, the batch's documents): transformers builds none
     for a function it has no mask function for, and anything it would ask beyond that is refused."""
-    ctx: AttnContext = kwargs.get("titanlite_ctx") or AttnContext()
+    if "titanlite_ctx" not in kwargs:
+        # the batch's documents, the context-parallel group and the backend would be lost: a silent wrong
+        raise Unsupported(f"{type(module).__name__} is reached without the keyword arguments of the model's forward "
+                          "(a layer of it drops them), so titanlite's attention would not see the batch's documents "
+                          "or the context-parallel group; titanlite cannot train it")
+    ctx: AttnContext = kwargs["titanlite_ctx"]
+    if dropout:
+        raise AttentionDropout(dropout, type(module).__name__)
+    context = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    if sliding_window and context and sliding_window >= context:
+        sliding_window = None  # it holds every training sequence (at most the context): full attention
     unknown = sorted(k for k, v in kwargs.items() if k not in KWARGS and v is not None and v is not False)
     causal = getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
     why = (f"passes '{unknown[0]}'" if unknown else "passes a mask of its own" if attention_mask is not None
-           else f"has attention dropout {dropout}" if dropout else "is not causal" if not causal
+           else "is not causal" if not causal
            else f"slides over {sliding_window} keys, a window its config does not declare"
            if ctx.setup.windows and sliding_window not in ctx.setup.windows else None)
     if why:

@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from titanlite.errors import ConfigError
 from titanlite.model_spec import Elsewhere
-from titanlite.parallel.tensor import TokenParallel, TPPlan, run_whole
+from titanlite.parallel.tensor import NormParallel, TokenParallel, TPPlan, run_whole
 
 from .model import ModelArgs, build, hf_config
 
@@ -104,13 +104,20 @@ def block_plan(block: nn.Module, config, between: Placement, key: str = TP) -> d
     names, plan = translate(config, between, key)
     subs = {p.split(".")[0] for p in names}
     plan |= {s: HiddenStatesIn(between) for s in subs}
-    stream = SequenceParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
+    # NormParallel: torch's SequenceParallel keeping each weight's requires_grad (a norm frozen under LoRA stays so)
+    stream = NormParallel(use_local_output=True) if isinstance(between, Shard) else WholeParallel()
     for path, module in block.named_modules():
         covered = any(path == n or path.startswith(n + ".") or n.startswith(path + ".") for n in names)
         if not path or covered or not any(True for _ in module.parameters(recurse=False)):
             continue  # the block's own parameters are check_tp_covered's to refuse
         sub = path.split(".")[0]
         if sub not in subs:
+            if "norm" not in type(module).__name__.lower():
+                # a sub-layer no entry splits (Hunyuan's plan has the embedding alone) would run on the
+                # residual stream's sequence shard: its attention would see this rank's tokens only
+                raise ConfigError(f"{key}: {type(config).__name__}'s layers.*.{path} ({type(module).__name__}) is in "
+                                  "no base_model_tp_plan entry and is no norm on the residual stream; train it with "
+                                  "tensor_parallel_degree 1")
             plan[path] = stream
             continue
         split = [s for n, s in names.items() if n.startswith(sub + ".") and s.startswith("colwise")]

@@ -101,9 +101,12 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
     saved, now = info.get("args", {}), json.loads(json.dumps(dataclasses.asdict(args)))
     differ = [k for k in IDENTITY if k in saved and k in now and saved[k] != now[k]]
     if differ:
+        # the transformers family has no flavor: its args come from model.hf_config and model.hf_overrides
+        source = "model.hf_config and model.hf_overrides" if spec.from_hf_config else "flavor"
+        run = "model.hf_config and model.hf_overrides give" if spec.from_hf_config else f"{spec.name} flavor has"
         raise ConfigError(f"{what} with {', '.join(f'{k}={saved[k]!r}' for k in differ)}, but this run's "
-                          f"{spec.name} flavor has {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
-                          "the flavor it was saved with, or give this run its own job.dump_folder")
+                          f"{run} {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
+                          f"the {source} it was saved with, or give this run its own job.dump_folder")
     shapes = saved_shapes(meta, "model.")
     check_shapes(mine, shapes, str(path))
     extra = sorted(shapes.keys() - whole.keys())

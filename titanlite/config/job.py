@@ -348,8 +348,9 @@ class LoRA:
     alpha: float = 16.0
     """The adapters' scale numerator (PEFT's lora_alpha)."""
     dropout: float = 0.0
-    """Dropout on each adapter's input, in training; in [0, 1). Its masks are drawn per rank, so a
-    run with dropout matches another layout in distribution, not number for number."""
+    """Dropout on each adapter's input, in training; in [0, 1). Its masks come from torch's
+    generator, seeded alike on every rank: ranks holding different rows of a batch drop the same
+    positions of them, so a run with dropout equals neither one process nor another layout."""
     rslora: bool = False
     """Rank-stabilised scaling, alpha / sqrt(rank) (PEFT's use_rslora)."""
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])

@@ -63,6 +63,12 @@ class LoRASetup:
                    frozenset(saved["targets"]), frozenset(saved["full"]))
 
 
+DROPOUT_MASKS = ("its masks come from torch's generator, seeded alike on every rank, so ranks that hold different "
+                 "rows of a batch drop the same positions of them: a run with dropout equals neither one process nor "
+                 "another layout number for number (without dropout it does)")
+"""The truth about LoRA dropout's masks, which a run with lora.dropout prints (titanlite.train)."""
+
+
 class LoRALinear(nn.Linear):
     """An nn.Linear with an adapter. Made from an existing nn.Linear by `adapt`, which keeps the
     module (its weight, name and hooks) and adds `lora_A`, `lora_B`."""
