@@ -98,11 +98,15 @@ def pick(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Ge
 
 
 def context_length(model: nn.Module) -> int:
-    """The positions the model's RoPE tables cover (its args' max_seq_len)."""
+    """The positions the model's RoPE tables cover: its args' max_seq_len, or a transformers
+    model's max_position_embeddings (the transformers family)."""
     args = getattr(model, "args", None)
-    if args is None:
-        raise ValueError("generate: the model has no args giving its context length; pass context=")
-    return args.max_seq_len
+    if args is not None:
+        return args.max_seq_len
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "max_position_embeddings", None):
+        raise ValueError("generate: the model has no args or config giving its context length; pass context=")
+    return config.max_position_embeddings
 
 
 @torch.no_grad()
