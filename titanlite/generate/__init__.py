@@ -9,7 +9,7 @@ then top_p, then min_p (transformers' order), and a token drawn from the softmax
 row's own generator, seeded by (seed, the prompt's index): a prompt's sample does not depend on
 the others in the batch.
 
-`python -m titanlite.generate` is the command line (titanlite.generate_cli).
+`python -m titanlite.generate` is the command line (__main__.py; models read by load.py).
 """
 
 from __future__ import annotations
