@@ -6,6 +6,7 @@ definitions keep; a seeded draw does not depend on the batch; EOS and stop strin
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -175,3 +176,63 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     assert stopped.finish == "stop" and stopped.text == text[:text.index(text[7:9])]
     capped = generate(model, prompts[:1], max_new_tokens=100)[0]  # the 64-position context ends it
     assert capped.finish == "context" and len(capped.ids) == 64 - len(prompts[0])
+
+
+def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
+    """A step folder and its transformers export generate the same tokens as the function; prompts
+    from --prompt, JSON lines and stdin; --chat through byte_chat's template; bad input one line."""
+    import io
+    import json
+
+    from titanlite.checkpoint.dcp import write_model_checkpoint
+    from titanlite.data.tokenizer import byte_chat_tokenizer
+    from titanlite.generate.__main__ import main
+
+    spec = get_model_spec("llama3")
+    # trained at 64 positions of a 96-position model: generation reads the model's own context
+    args = dataclasses.replace(spec.flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, multiple_of=32,
+                               max_seq_len=64, context_len=96)
+    model = spec.build(args)
+    model.init_weights(2)
+    write_model_checkpoint(tmp_path / "step-3", model.state_dict(), "llama3", args)
+    titanlite.write_hf(tmp_path / "hf", spec.hf.to_hf(model.state_dict(), args), spec.hf.config_to_hf(args, torch.float32))
+    (tmp_path / "p.jsonl").write_text('"Hello"\n\n{"prompt": "The quick brown fox"}\n')
+    common = ["--max_new_tokens", "100", "--temperature", "0.8", "--top_k", "40", "--seed", "5"]
+    rows = {}
+    for name, argv in {"dcp": [str(tmp_path / "step-3"), "--prompts", str(tmp_path / "p.jsonl")],
+                       "hf": [str(tmp_path / "hf"), "--format", "hf", "--prompt", "Hello", "--prompt",
+                              "The quick brown fox"],
+                       "stdin": [str(tmp_path / "step-3")]}.items():
+        monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nThe quick brown fox\n"))
+        main([*argv, *common, "--out", str(tmp_path / f"{name}.json")])
+        rows[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert rows["dcp"] == rows["hf"] == rows["stdin"]
+    whole = spec.build(dataclasses.replace(args, max_seq_len=96))  # RoPE tables over the model's context
+    whole.load_state_dict(model.state_dict())
+    want = generate(whole.eval(), [[256, *b"Hello"], [256, *b"The quick brown fox"]], 100, 0.8, 40, seed=5,
+                    eos_ids=[257])
+    assert [r["ids"] for r in rows["dcp"]] == [g.ids for g in want]
+    # the model's 96 positions end both, past the 64 it was trained at
+    assert [(r["finish"], len(r["ids"])) for r in rows["dcp"]] == [("context", 96 - 6), ("context", 96 - 20)]
+    out = capsys.readouterr().out
+    assert "--- prompt 1 (20 tokens; " in out and rows["dcp"][1]["text"] in out
+    main([str(tmp_path / "step-3"), "--chat", "--tokenizer", "byte_chat", "--prompt", "Hi", "--max_new_tokens", "4",
+          "--out", str(tmp_path / "chat.json")])
+    chat = byte_chat_tokenizer()
+    rendered = chat.hf.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert json.loads((tmp_path / "chat.json").read_text())[0]["prompt_ids"] == chat.encode(rendered)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    for argv, message in [
+        ([str(tmp_path)], "holds no titanlite.json, so it is not a titanlite checkpoint"),
+        ([str(tmp_path / "hf")], r"not a titanlite checkpoint \(it has a config.json: add --format hf\)"),
+        ([str(tmp_path / "step-3"), "--format", "hf"], "holds no config.json, so it is not a transformers folder"),
+        ([str(tmp_path / "step-3"), "--chat"], "--chat: tokenizer 'byte' has no chat template; use --tokenizer byte_chat"),
+        ([str(tmp_path / "step-3"), "--prompt", "x" * 96], "prompt 0 is 97 tokens, the model's context is 96"),
+        ([str(tmp_path / "step-3"), "--top_p", "0"], r"--top_p is 0.0; it must be in \(0, 1\]"),
+        ([str(tmp_path / "step-3"), "--top_p", "1.5"], r"--top_p is 1.5; it must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv if "--prompt" in argv else [*argv, "--prompt", "x"])
+        line = str(exit_.value.code)
+        assert line.startswith("titanlite: error: ") and "\n" not in line, line
+        assert re.search(message, line), (message, line)

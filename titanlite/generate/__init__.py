@@ -152,7 +152,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
         g.finish = "length" if n == max_new_tokens else "context"
     feed = tokens.to(device)
     while any(running):
-        logits = model(feed, AttnContext(positions=cache.positions(feed.shape[1]), past=cache))[:, -1].float()
+        # a finished row runs on beside the others (rows are independent), within the RoPE tables
+        positions = cache.positions(feed.shape[1]).clamp(max=context - 1)
+        logits = model(feed, AttnContext(positions=positions, past=cache))[:, -1].float()
         cache.advance(feed.shape[1])
         chosen = pick(logits, sampling, generators)
         for i, token in enumerate(chosen.tolist()):
