@@ -322,10 +322,14 @@ def test_generation_reads_a_lora_checkpoint_as_its_merged_model(layouts, tmp_pat
               "--tokenizer", "byte"]
     runs = {"lora": [str(step)], "merged": [str(tmp_path / "merged"), "--format", "hf"],
             "base": [str(layouts["root"] / "base"), "--format", "hf"]}
-    ids = {}
-    for name, argv in runs.items():
-        generate_main([*argv, *common, "--out", str(tmp_path / f"{name}.json")])
-        ids[name] = [row["ids"] for row in json.loads((tmp_path / f"{name}.json").read_text())]
+    ids, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # decode steps are small ops, which threads slow down on a loaded machine
+    try:
+        for name, argv in runs.items():
+            generate_main([*argv, *common, "--out", str(tmp_path / f"{name}.json")])
+            ids[name] = [row["ids"] for row in json.loads((tmp_path / f"{name}.json").read_text())]
+    finally:
+        torch.set_num_threads(threads)
     assert ids["lora"] == ids["merged"] != ids["base"]
     shutil.copytree(step, tmp_path / "moved")
     info = json.loads((tmp_path / "moved" / "titanlite.json").read_text())
