@@ -230,6 +230,8 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
         ([str(tmp_path / "step-3"), "--prompt", "x" * 96], "prompt 0 is 97 tokens, the model's context is 96"),
         ([str(tmp_path / "step-3"), "--top_p", "0"], r"--top_p is 0.0; it must be in \(0, 1\]"),
         ([str(tmp_path / "step-3"), "--top_p", "1.5"], r"--top_p is 1.5; it must be in \(0, 1\]"),
+        ([str(tmp_path / "step-3"), "--tp", "3"], "--tp 3 exceeds n_kv_heads 2; use a degree <= 2 that divides it"),
+        ([str(tmp_path / "step-3"), "--tp", "2"], "--tp 2 runs as 2 ranks: launch it with torchrun --nproc_per_node 2"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main(argv if "--prompt" in argv else [*argv, "--prompt", "x"])

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from titanlite.errors import ConfigError
 from titanlite.generate import Sampling, generate
-from titanlite.generate.load import eos_ids, load_model, load_tokenizer
+from titanlite.generate.load import check_tp_degree, eos_ids, load_model, load_tokenizer, saved_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt i draws from (seed, i)")
     p.add_argument("--stop", action="append", default=[], help="a string that ends a generation (repeatable)")
     p.add_argument("--out", default="", help="write the prompts' and generations' ids and text here (JSON)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel over this many ranks (torchrun "
+                   "--nproc_per_node N): the training plan's sharding")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="default: as saved")
     return p
@@ -101,6 +105,21 @@ def encode(tokenizer, name: str, prompts: list[str], chat: bool) -> list[list[in
     return [tokenizer.encode(t) for t in texts]
 
 
+def start_ranks(tp: int, device: str) -> torch.device:
+    """With --tp > 1, join the process group torchrun launched (gloo on CPU, nccl on CUDA, one
+    device a rank); the device this rank generates on."""
+    if tp <= 1:
+        return torch.device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) != tp:
+        raise ConfigError(f"--tp {tp} runs as {tp} ranks: launch it with torchrun --nproc_per_node {tp}")
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = f"cuda:{torch.cuda.current_device()}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return torch.device(device)
+
+
 def main(argv: list[str] | None = None) -> None:
     a = _parser().parse_args(argv)
     try:
@@ -109,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_prompts(a)
         tokenizer, name = load_tokenizer(a.tokenizer, path, a.format)
         ids = encode(tokenizer, name, prompts, a.chat)
-        model, _, args = load_model(path, a.format, a.model, a.device, getattr(torch, a.dtype) if a.dtype else None)
+        check_tp_degree(saved_args(path, a.format, a.model)[1], a.tp)  # before the ranks start
+        device = start_ranks(a.tp, a.device)
+        model, _, args = load_model(path, a.format, a.model, device, getattr(torch, a.dtype) if a.dtype else None, a.tp)
         context = args.max_seq_len
         for i, p in enumerate(ids):
             if len(p) >= context:
@@ -123,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     out = generate(model, ids, a.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
                    sampling.min_p, a.seed, eos_ids(tokenizer, path, a.format), a.stop, tokenizer.decode, pad)
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return  # every rank drew the same tokens: rank 0 says them
     for i, (prompt, g) in enumerate(zip(prompts, out)):
         print(f"--- prompt {i} ({len(g.prompt_ids)} tokens; {len(g.ids)} generated, {g.finish}): {prompt!r}")
         print(g.text)
