@@ -174,6 +174,14 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     text = decode(greedy)
     stopped = generate(model, prompts[:1], max_new_tokens=16, stop=[text[7:9]], decode=decode)[0]
     assert stopped.finish == "stop" and stopped.text == text[:text.index(text[7:9])]
+    # a model in training mode generates in eval mode and is handed back training: a MoE counts no
+    # load towards its next router-bias update
+    moe_spec = get_model_spec("qwen3_moe")
+    moe = moe_spec.build(dataclasses.replace(moe_spec.flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2,
+                                             head_dim=16, max_seq_len=64))
+    moe.init_weights(0)
+    generate(moe, prompts, max_new_tokens=4)
+    assert moe.training and all(m.moe.tokens_per_expert.sum() == 0 for m in moe.layers.values())
     capped = generate(model, prompts[:1], max_new_tokens=100)[0]  # the 64-position context ends it
     assert capped.finish == "context" and len(capped.ids) == 64 - len(prompts[0])
 

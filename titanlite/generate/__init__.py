@@ -151,27 +151,40 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     for g, n in zip(out, limit):
         g.finish = "length" if n == max_new_tokens else "context"
     feed = tokens.to(device)
-    while any(running):
-        # a finished row runs on beside the others (rows are independent), within the RoPE tables
-        positions = cache.positions(feed.shape[1]).clamp(max=context - 1)
-        logits = model(feed, AttnContext(positions=positions, past=cache))[:, -1].float()
-        cache.advance(feed.shape[1])
-        chosen = pick(logits, sampling, generators)
-        for i, token in enumerate(chosen.tolist()):
-            if not running[i]:
-                continue
-            g = out[i]
-            g.ids.append(token)
-            if keep_logits:
-                steps[i].append(logits[i].cpu())
-            running[i] = _goes_on(g, token, eos_ids, stop, decode, limit[i])
-        feed = chosen[:, None]
+    # eval mode whatever the caller's (RL's policy trains between rollouts): no adapter dropout,
+    # and no MoE load counted towards the next router-bias update
+    training = model.training
+    model.eval()
+    try:
+        while any(running):
+            # a finished row runs on beside the others (rows are independent), within the RoPE tables
+            positions = cache.positions(feed.shape[1]).clamp(max=context - 1)
+            logits = model(feed, AttnContext(positions=positions, past=cache))[:, -1].float()
+            cache.advance(feed.shape[1])
+            feed = pick(logits, sampling, generators)[:, None]
+            _record(out, feed[:, 0].tolist(), logits if keep_logits else None, steps, running, eos_ids, stop, decode,
+                    limit)
+    finally:
+        model.train(training)
     for g, logits in zip(out, steps):
         if decode is not None and g.text is None:
             g.text = decode(g.ids[:-1] if g.finish == "eos" else g.ids)
         if keep_logits:
             g.logits = torch.stack(logits)
     return out
+
+
+def _record(out: list[Generation], chosen: list[int], logits: torch.Tensor | None, steps: list[list[torch.Tensor]],
+            running: list[bool], eos_ids: Sequence[int], stop: Sequence[str],
+            decode: Callable[[list[int]], str] | None, limit: list[int]) -> None:
+    """Append each running row's token (and logits) to its generation; stop the rows that end."""
+    for i, token in enumerate(chosen):
+        if not running[i]:
+            continue
+        out[i].ids.append(token)
+        if logits is not None:
+            steps[i].append(logits[i].cpu())
+        running[i] = _goes_on(out[i], token, eos_ids, stop, decode, limit[i])
 
 
 def _goes_on(g: Generation, token: int, eos_ids: Sequence[int], stop: Sequence[str],
