@@ -21,6 +21,8 @@ Backends (`model.attn_backend`, docs/attention.md):
   FlexAttention backward on CPU, so there it serves forward passes only (preflight refuses
   training with it on CPU). Sinks scale the output by sigmoid(lse - sink).
 - varlen: the CUDA variable-length kernel over packed documents (CUDA only; never run here).
+Generation (AttnContext.past, titanlite.layers.cache): the calling layer's past keys and values
+(a ring of W for a window) join this forward's, and one masked SDPA call runs the new queries.
 Context parallel: K and V are all-gathered over the cp group (their gradients reduce-scattered
 back) and each of the rank's two head-tail query chunks attends to the keys up to its end.
 """

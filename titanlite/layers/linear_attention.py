@@ -17,6 +17,9 @@ Context parallel (the batch's AttnSetup holds the cp shards): the state is passe
 ranks in sequence order and the convolution gets the previous chunk's last kernel-1 tokens
 (`_cp_gated_delta_rule`, `cp_causal_conv`; docs/attention.md).
 
+Generation (AttnContext.past, titanlite.layers.cache): a layer keeps its final state and the
+convolution's last kernel-1 inputs, and runs the next tokens from them with the torch rule.
+
 Backends (`ModelArgs.linear_backend`): "torch" (this file, plain PyTorch: CPU and GPU) and
 "fla", flash-linear-attention's Triton kernels (the optional extra `titanlite[fla]`; CUDA only,
 never run in this repository's tests: docs/attention.md).
