@@ -105,6 +105,19 @@ def encode(tokenizer, name: str, prompts: list[str], chat: bool) -> list[list[in
     return [tokenizer.encode(t) for t in texts]
 
 
+def check_prompts(ids: list[list[int]], args, name: str, tp: int) -> None:
+    """Refuse, before any weight is read, prompts the model cannot take and a --tp its heads refuse."""
+    context = getattr(args, "context_len", 0) or args.max_seq_len
+    for i, p in enumerate(ids):
+        if len(p) >= context:
+            raise ConfigError(f"prompt {i} is {len(p)} tokens, the model's context is {context}; shorten it to "
+                              f"{context - 1} tokens at most")
+    if max(max(p, default=0) for p in ids) >= args.vocab_size:
+        raise ConfigError(f"tokenizer '{name}' gives ids past the model's vocabulary ({args.vocab_size}); "
+                          "use the tokenizer the model was trained with (--tokenizer)")
+    check_tp_degree(args, tp)
+
+
 def start_ranks(tp: int, device: str) -> torch.device:
     """With --tp > 1, join the process group torchrun launched (gloo on CPU, nccl on CUDA, one
     device a rank); the device this rank generates on."""
@@ -128,24 +141,19 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_prompts(a)
         tokenizer, name = load_tokenizer(a.tokenizer, path, a.format)
         ids = encode(tokenizer, name, prompts, a.chat)
-        check_tp_degree(saved_args(path, a.format, a.model)[1], a.tp)  # before the ranks start
+        check_prompts(ids, saved_args(path, a.format, a.model)[1], name, a.tp)  # before the ranks start
         device = start_ranks(a.tp, a.device)
-        model, _, args = load_model(path, a.format, a.model, device, getattr(torch, a.dtype) if a.dtype else None, a.tp)
-        context = args.max_seq_len
-        for i, p in enumerate(ids):
-            if len(p) >= context:
-                raise ConfigError(f"prompt {i} is {len(p)} tokens, the model's context is {context}; shorten it to "
-                                  f"{context - 1} tokens at most")
-        if max(max(p) for p in ids) >= args.vocab_size:
-            raise ConfigError(f"tokenizer '{name}' gives ids past the model's vocabulary ({args.vocab_size}); "
-                              "use the tokenizer the model was trained with (--tokenizer)")
-    except ConfigError as e:
+        model, _, _ = load_model(path, a.format, a.model, device, getattr(torch, a.dtype) if a.dtype else None, a.tp)
+        pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        out = generate(model, ids, a.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
+                       sampling.min_p, a.seed, eos_ids(tokenizer, path, a.format), a.stop, tokenizer.decode, pad)
+    except (ConfigError, ValueError) as e:
         sys.exit(f"titanlite: error: {e}")
-    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    out = generate(model, ids, a.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
-                   sampling.min_p, a.seed, eos_ids(tokenizer, path, a.format), a.stop, tokenizer.decode, pad)
-    if dist.is_initialized() and dist.get_rank() > 0:
-        return  # every rank drew the same tokens: rank 0 says them
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank > 0:
+            return  # every rank drew the same tokens: rank 0 says them
     for i, (prompt, g) in enumerate(zip(prompts, out)):
         print(f"--- prompt {i} ({len(g.prompt_ids)} tokens; {len(g.ids)} generated, {g.finish}): {prompt!r}")
         print(g.text)
