@@ -116,6 +116,12 @@ if __name__ == "__main__":
     cp, tp = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo")
     failures = run(cp, tp)
+    if tp > 1:  # generation under tensor parallel, on each tp group (tests/generate_tp.py)
+        from generate_tp import run as generate_tp
+
+        rank = dist.get_rank()
+        groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
+        failures += generate_tp(groups[rank // tp])
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)

@@ -26,6 +26,8 @@ def test_every_kind_matches_the_dense_reference_under_cp_and_tp(cp, tp):
     codes, output = spawn_ranks(cp * tp, [str(REPO / "tests" / "attention_parity.py"), str(cp), str(tp)], timeout=300)
     cases = sum(1 for _ in __import__("attention_parity").cases())
     assert output.count("worst abs diff") == cp * tp * cases and "MISMATCH" not in output, (codes, output[-4000:])
+    # and generation: tp-split models generate one process's tokens (tests/generate_tp.py)
+    assert output.count("generate tp") == cp * tp * len(__import__("generate_tp").MODELS), output[-4000:]
 
 
 def test_masked_blocks_hold_no_mask_of_all_keys(monkeypatch):

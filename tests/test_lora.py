@@ -394,3 +394,34 @@ def test_dropout_draws_the_same_masks_when_a_block_is_recomputed(mode):
     apply_ac(list(model.layers.values()), ActivationCheckpoint(mode="selective" if mode == "op" else "full",
                                                                selective_type=mode), random=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads()))
+
+
+def test_generation_reads_a_lora_checkpoint_as_its_merged_model(layouts, tmp_path):
+    """python -m titanlite.generate over the LoRA run's step folder (the adapter applied to the base
+    it records) writes the tokens of its merged transformers folder, which differ from the base's;
+    with its base gone, one line."""
+    import shutil
+
+    from titanlite.generate.__main__ import main as generate_main
+
+    step = layouts["dumps"]["fsdp2"] / "checkpoint" / "step-10"
+    convert_main(["dcp", "hf", str(step), str(tmp_path / "merged")])
+    common = ["--prompt", "Hello", "--prompt", "A longer prompt than that", "--max_new_tokens", "16",
+              "--tokenizer", "byte"]
+    runs = {"lora": [str(step)], "merged": [str(tmp_path / "merged"), "--format", "hf"],
+            "base": [str(layouts["root"] / "base"), "--format", "hf"]}
+    ids, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # decode steps are small ops, which threads slow down on a loaded machine
+    try:
+        for name, argv in runs.items():
+            generate_main([*argv, *common, "--out", str(tmp_path / f"{name}.json")])
+            ids[name] = [row["ids"] for row in json.loads((tmp_path / f"{name}.json").read_text())]
+    finally:
+        torch.set_num_threads(threads)
+    assert ids["lora"] == ids["merged"] != ids["base"]
+    shutil.copytree(step, tmp_path / "moved")
+    info = json.loads((tmp_path / "moved" / "titanlite.json").read_text())
+    info["transform"]["base"]["path"] = str(tmp_path / "gone")
+    (tmp_path / "moved" / "titanlite.json").write_text(json.dumps(info))
+    with pytest.raises(SystemExit, match="is a LoRA checkpoint whose base model .*gone .* is missing"):
+        generate_main([str(tmp_path / "moved"), *common])

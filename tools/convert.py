@@ -20,18 +20,17 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, write_model_checkpoint
-from titanlite.checkpoint.peft import merge, to_peft, write_peft
+from titanlite.checkpoint.dcp import model_shapes, read_info, write_model_checkpoint
+from titanlite.checkpoint.peft import to_peft, write_peft
 from titanlite.errors import ConfigError
-from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.hf import write_hf_folder
 from titanlite.checkpoint.lora import tied_layers, tied_note
-from titanlite.model_spec import ModelSpec, get_model_spec
+from titanlite.model_spec import ModelSpec
+from titanlite.saved_model import read_dcp
 
 FORMATS = ("dcp", "hf", "torch", "peft")
 
@@ -42,49 +41,6 @@ def _adapter(spec: ModelSpec):
     return spec.hf
 
 
-def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
-    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args, YaRN) and
-    tuples come back as dicts and lists. `templates`: the family's flavors; a nested field takes
-    its type from the first that sets it (a flavor may leave it None, as DeepSeek-V3 16B's YaRN)."""
-    fields = {}
-    for f in dataclasses.fields(templates[0]):
-        if f.name not in values:
-            continue
-        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
-        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
-        if v is None or not (nested or isinstance(kinds[0], tuple)):
-            fields[f.name] = v
-        else:
-            fields[f.name] = _rebuild(nested, v) if nested else tuple(v)
-    return dataclasses.replace(templates[0], **fields)
-
-
-def _base(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run trained on, as it read them (titanlite.checkpoint.lora.checkpointing)."""
-    if base["format"] == "hf":
-        return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
-    if base["format"] == "dcp":
-        return load_tensors(base["path"], "model.")
-    model = spec.build(args)
-    model.init_weights(base["seed"])
-    return model.state_dict()
-
-
-def _read_dcp(path: Path, merged: bool = True):
-    """(spec, args, the model's state dict, the LoRA run's settings or None); a LoRA run's adapter
-    `merged` into its base weights, else its trained tensors as saved."""
-    info = read_info(path)
-    spec = get_model_spec(info["model"])
-    args = _rebuild(list(spec.flavors.values()), info["args"])
-    record = info.get("transform", {})
-    if "lora" not in record:
-        return spec, args, load_tensors(path, "model."), None
-    lora, trained = LoRASetup.of(record["lora"]), load_tensors(path, "model.")
-    if not merged:
-        return spec, args, trained, lora
-    return spec, args, merge(_base(spec, args, record["base"]), trained, lora), lora
-
-
 def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",
             dtype: str = "", max_shard_gb: float = 5.0) -> str:
     """Writes `dst`; returns what the line saying so adds (a tied layer's adapter: how to use what
@@ -92,14 +48,14 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
     src_path, dst_path = Path(src), Path(dst)
     cast = (lambda sd: sd) if not dtype else (lambda sd: {k: v.to(getattr(torch, dtype)) for k, v in sd.items()})
     if (src_format, dst_format) == ("dcp", "peft"):
-        spec, args, trained, lora = _read_dcp(src_path, merged=False)
+        spec, args, trained, lora = read_dcp(src_path, merged=False)
         if lora is None:
             raise ConfigError(f"{src_path} is not a LoRA run's checkpoint (no adapter); convert it to hf")
         base = read_info(src_path)["transform"]["base"]["path"]
         write_peft(dst_path, *to_peft(trained, lora, _adapter(spec), args, model_shapes(spec, args), base))
         return tied_note(tied_layers(spec, args, lora.targets), str(src_path))
     elif (src_format, dst_format) == ("dcp", "hf"):
-        spec, args, sd, lora = _read_dcp(src_path)
+        spec, args, sd, lora = read_dcp(src_path)
         adapter = _adapter(spec)
         if lora is not None and tied_layers(spec, args, lora.targets):
             # the adapter made the output its own weight: written untied, with lm_head.weight
@@ -114,7 +70,7 @@ def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str 
         net, args = titanlite.load_hf(src_path, model)
         write_model_checkpoint(dst_path, cast(net.state_dict()), model, args)
     elif (src_format, dst_format) == ("dcp", "torch"):
-        spec, args, sd, lora = _read_dcp(src_path)
+        spec, args, sd, lora = read_dcp(src_path)
         dst_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cast(sd), dst_path)
         untied = {} if lora is None else tied_layers(spec, args, lora.targets)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.layers import rope
-from titanlite.layers.attention import AttnContext, Rotation, attention
+from titanlite.layers.attention import AttnContext, Rotation, attention, masked_attention
 from titanlite.layers.decoder import Block, Decoder, DecoderArgs
 from titanlite.layers.feed_forward import FeedForward
 from titanlite.layers.moe import MoE, MoEArgs
@@ -96,12 +96,21 @@ class MLA(nn.Module):
         # -1 heads: under tensor parallelism each rank holds only its share of heads
         q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.wkv_a.out_features - self.rope, self.rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope + self.v)
+        latent, k_rope = self.kv_norm(latent), self.rotate(k_rope.unsqueeze(2), cos, sin)
+        past = None if ctx is None else ctx.past
+        if past is not None:  # generation caches the latent and the RoPE key, not the expanded heads
+            seen, index = past.extend(self, None, latent=latent, k_rope=k_rope)
+            latent, k_rope = seen["latent"], seen["k_rope"]
+        kv = self.wkv_b(latent).view(bsz, latent.shape[1], -1, self.nope + self.v)
         k_nope, v = kv.split([self.nope, self.v], dim=-1)
-        k_rope = self.k_rope_heads(self.rotate(k_rope.unsqueeze(2), cos, sin)).expand(-1, -1, k_nope.shape[2], -1)
+        k_rope = self.k_rope_heads(k_rope).expand(-1, -1, k_nope.shape[2], -1)
         q = torch.cat([q_nope, self.rotate(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, scale=self.scale)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if past is None:
+            out = attention(q, k, v, ctx, scale=self.scale)
+        else:
+            out = masked_attention(q, k, v, past.mask(index, seqlen, None), None, self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -150,7 +159,8 @@ class Transformer(Decoder):
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         """tokens: [B, S] (or hidden states [B, S, dim] on a later pipeline stage) -> logits."""
         h, cos, sin = self.hidden(tokens, ctx)
-        if isinstance(self.mtp, nn.ModuleDict) and len(self.mtp):  # nn.Identity before the last stage
+        # nn.Identity before the last stage; generation (a cache) predicts with the blocks alone
+        if isinstance(self.mtp, nn.ModuleDict) and len(self.mtp) and (ctx is None or ctx.past is None):
             ids = tokens if not tokens.is_floating_point() else getattr(ctx, "tokens", None)
             if ids is None:
                 raise ValueError("multi-token prediction on a later pipeline stage needs AttnContext.tokens")

@@ -95,7 +95,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.wk(x).view(bsz, seqlen, -1, self.head_dim))
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, layer=self)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out * torch.sigmoid(self.wg(x)))
 

@@ -267,7 +267,7 @@ def titanlite_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if why:
         raise Unsupported(f"{type(module).__name__} {why}, which titanlite's attention cannot compute; "
                            "docs/transformers_models.md")
-    out = attention(query, key, value, ctx, window=sliding_window, scale=scaling)
+    out = attention(query, key, value, ctx, window=sliding_window, scale=scaling, layer=module)
     return out.transpose(1, 2), None
 
 

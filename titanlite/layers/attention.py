@@ -21,6 +21,8 @@ Backends (`model.attn_backend`, docs/attention.md):
   FlexAttention backward on CPU, so there it serves forward passes only (preflight refuses
   training with it on CPU). Sinks scale the output by sigmoid(lse - sink).
 - varlen: the CUDA variable-length kernel over packed documents (CUDA only; never run here).
+Generation (AttnContext.past, titanlite.layers.cache): the calling layer's past keys and values
+(a ring of W for a window) join this forward's, and one masked SDPA call runs the new queries.
 Context parallel: K and V are all-gathered over the cp group (their gradients reduce-scattered
 back) and each of the rank's two head-tail query chunks attends to the keys up to its end.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -38,6 +40,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from titanlite.config.job import CHOICES
+
+if TYPE_CHECKING:
+    from titanlite.layers.cache import Cache
 
 BACKENDS = CHOICES["model.attn_backend"]
 QUERY_BLOCK = 512
@@ -120,6 +125,9 @@ class AttnContext:
     device: torch.device | None = None
     """This rank's sequence length and device: with them, flex's block masks are built here."""
     cache: _BatchCache = field(default_factory=_BatchCache, repr=False)
+    past: Cache | None = None
+    """Generation: every layer's past tokens (titanlite.layers.cache); this forward's tokens
+    follow them. None: the batch is the whole sequence (training)."""
 
     def __post_init__(self) -> None:
         if self.setup.cp is not None and self.positions is None:
@@ -132,15 +140,21 @@ class AttnContext:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext | None = None,
               window: int | None = None, sinks: torch.Tensor | None = None,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, layer: object = None) -> torch.Tensor:
     """q: [B, Hq, S, Dqk]; k: [B, Hkv, S, Dqk]; v: [B, Hkv, S, Dv], Hq a multiple of Hkv.
     `window`: keys a query sees, itself included (None: all before it); `sinks`: [Hq] logits
     of a key every query sees with value zero; `scale`: softmax scale (default Dqk^-0.5).
-    Returns [B, Hq, S, Dv]. S is this rank's head-tail shard under context parallel."""
+    Returns [B, Hq, S, Dv]. S is this rank's head-tail shard under context parallel.
+    `layer`: the calling layer, whose keys and values `ctx.past` keeps when generating."""
     ctx = ctx or AttnContext()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if sinks is not None and isinstance(sinks, DTensor):  # under TP: this rank's heads
         sinks = sinks.to_local()
+    if ctx.past is not None:
+        if layer is None:
+            raise ValueError("attention with a generation cache needs the calling layer (layer=self)")
+        seen, index = ctx.past.extend(layer, window, dim=2, k=k, v=v)
+        return masked_attention(q, seen["k"], seen["v"], ctx.past.mask(index, q.shape[2], window), sinks, scale)
     if ctx.setup.backend == "varlen":
         if sinks is not None:  # preflight refuses this before launch; callers of the API get it here
             raise ValueError("attention backend varlen cannot apply attention sinks; use sdpa or flex")
@@ -186,6 +200,13 @@ def _masked_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q0: int, k0
     if docs is not None:
         docs = docs.to(q.device)
         mask = mask & (docs[:, q0:q0 + q.shape[2], None] == docs[:, None, k0:k0 + k.shape[2]])[:, None]
+    return masked_attention(q, k, v, mask, sinks, scale)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of q against k, v where the boolean `mask` ([B or 1, 1, Sq, Sk]) allows; with
+    `sinks`, each head's sink is one more key of value zero that every query sees."""
     if sinks is not None:
         b, h = max(q.shape[0], mask.shape[0]), q.shape[1]
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -342,5 +363,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.window, self.sinks)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx, self.window, self.sinks,
+                        layer=self)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -17,6 +17,9 @@ Context parallel (the batch's AttnSetup holds the cp shards): the state is passe
 ranks in sequence order and the convolution gets the previous chunk's last kernel-1 tokens
 (`_cp_gated_delta_rule`, `cp_causal_conv`; docs/attention.md).
 
+Generation (AttnContext.past, titanlite.layers.cache): a layer keeps its final state and the
+convolution's last kernel-1 inputs, and runs the next tokens from them with the torch rule.
+
 Backends (`ModelArgs.linear_backend`): "torch" (this file, plain PyTorch: CPU and GPU) and
 "fla", flash-linear-attention's Triton kernels (the optional extra `titanlite[fla]`; CUDA only,
 never run in this repository's tests: docs/attention.md).
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from titanlite.layers.attention import AttnContext, SequenceShards
+from titanlite.layers.cache import Cache
 
 LINEAR_BACKENDS = ("torch", "fla")
 
@@ -332,7 +336,10 @@ class GatedDeltaNet(nn.Module):
         bsz, seqlen, _ = x.shape
         xs = [self.wq(x), self.wk(x), self.wv(x)]
         weights = [_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
-        if ctx is not None and ctx.setup.cp is not None:
+        past = None if ctx is None else ctx.past
+        if past is not None:
+            xs, starts = self._conv_after_past(xs, weights, past)
+        elif ctx is not None and ctx.setup.cp is not None:
             xs = cp_causal_conv(xs, weights, ctx)
         else:
             starts = document_starts(ctx, seqlen)
@@ -343,6 +350,27 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.wb(x))
         # float32: exp(A_log) of a 16-bit weight can overflow
         g = -_local(self.A_log).float().exp() * F.softplus(self.wa(x).float() + _local(self.dt_bias))
-        out, _ = linear_attention(q, k, v, g, beta, ctx, chunk_size=self.chunk_size, backend=self.backend)
+        if past is None:
+            out, _ = linear_attention(q, k, v, g, beta, ctx, chunk_size=self.chunk_size, backend=self.backend)
+        else:  # generation: from the state the past left (plain PyTorch; one token is one chunk)
+            kept = past.state(self)
+            out, kept["recurrent"] = chunk_gated_delta_rule(q, k, v, g, beta, starts, kept.get("recurrent"),
+                                                            min(self.chunk_size, seqlen))
         out = self.norm(out, self.wz(x).view(bsz, seqlen, -1, self.v_head_dim))
         return self.wo(out.reshape(bsz, seqlen, -1))
+
+    def _conv_after_past(self, xs: list[torch.Tensor], weights: list[torch.Tensor], past: Cache
+                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Generation: `causal_conv` of this forward's inputs after the kernel-1 inputs before
+        them (kept in the cache; zeros at first), and the rows' document starts among these
+        tokens (a row's real tokens start after its pads: taps and state do not cross it)."""
+        kept, kernel = past.state(self), weights[0].shape[1]
+        x = torch.cat(xs, dim=-1)
+        before = kept.get("conv")
+        if before is None:
+            before = x.new_zeros(x.shape[0], kernel - 1, x.shape[2])
+        window = torch.cat([before, x], dim=1)
+        starts = past.starts(past.length - (kernel - 1), window.shape[1])
+        out = causal_conv(window, torch.cat(weights, dim=0), starts)[:, kernel - 1:]
+        kept["conv"] = window[:, window.shape[1] - (kernel - 1):]
+        return list(out.split([x_.shape[-1] for x_ in xs], dim=-1)), starts[:, kernel - 1:]
