@@ -16,7 +16,6 @@ W + scale B A in float32; to peft it is written as a PEFT adapter folder.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, saved_args, write_model_checkpoint
 from titanlite.checkpoint.peft import LoRAInfo, merge, to_peft, write_peft
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import write_hf_folder
@@ -39,24 +38,7 @@ def _adapter(spec: ModelSpec):
     return spec.hf
 
 
-def _rebuild(templates: list[Any], values: dict[str, Any]) -> Any:
-    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args, YaRN) and
-    tuples come back as dicts and lists. `templates`: the family's flavors; a nested field takes
-    its type from the first that sets it (a flavor may leave it None, as DeepSeek-V3 16B's YaRN)."""
-    fields = {}
-    for f in dataclasses.fields(templates[0]):
-        if f.name not in values:
-            continue
-        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
-        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
-        if v is None or not (nested or isinstance(kinds[0], tuple)):
-            fields[f.name] = v
-        else:
-            fields[f.name] = _rebuild(nested, v) if nested else tuple(v)
-    return dataclasses.replace(templates[0], **fields)
-
-
-def _base(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
+def base_weights(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The weights a LoRA run trained on, as it read them (titanlite.parallel.lora.checkpointing)."""
     if base["format"] == "hf":
         return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
@@ -72,14 +54,14 @@ def _read_dcp(path: Path, merged: bool = True):
     `merged` into its base weights, else its trained tensors as saved."""
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    args = _rebuild(list(spec.flavors.values()), info["args"])
+    args = saved_args(list(spec.flavors.values()), info["args"])
     record = info.get("transform", {})
     if "lora" not in record:
         return spec, args, load_tensors(path, "model."), None
     lora, trained = LoRAInfo.of(record["lora"]), load_tensors(path, "model.")
     if not merged:
         return spec, args, trained, lora
-    return spec, args, merge(_base(spec, args, record["base"]), trained, lora), lora
+    return spec, args, merge(base_weights(spec, args, record["base"]), trained, lora), lora
 
 
 def convert(src: str, dst: str, src_format: str, dst_format: str, *, model: str = "llama3",

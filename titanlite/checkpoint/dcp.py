@@ -69,6 +69,24 @@ def read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
 
 
+def saved_args(templates: list[Any], values: dict[str, Any]) -> Any:
+    """ModelArgs from their saved JSON form (titanlite.json's "args"): nested dataclasses (a MoE
+    layer's args, YaRN) and tuples come back as dicts and lists. `templates`: the family's
+    flavors; a nested field takes its type from the first that sets it (a flavor may leave it
+    None, as DeepSeek-V3 16B's YaRN)."""
+    fields = {}
+    for f in dataclasses.fields(templates[0]):
+        if f.name not in values:
+            continue
+        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
+        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
+        if v is None or not (nested or isinstance(kinds[0], tuple)):
+            fields[f.name] = v
+        else:
+            fields[f.name] = saved_args(nested, v) if nested else tuple(v)
+    return dataclasses.replace(templates[0], **fields)
+
+
 IDENTITY = ("norm_eps", "rope_theta", "tie_embeddings", "sliding_window", "layer_types", "attn_sinks")
 """DecoderArgs fields that change what a model computes, or which weights it shares, without
 changing any parameter's shape (shapes are compared apart): saved with other values, a
