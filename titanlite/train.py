@@ -243,6 +243,23 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
     return ckpt, window, counts
 
 
+def end_of_step(ckpt: CheckpointManager, step: int, stop: bool) -> None:
+    """After a step's update: its weights join checkpoint.merge_last's running sum (the window's
+    average is written with the save), then the save that is due (or forced by a stop)."""
+    if merge := ckpt.optional.get("merge"):
+        merge.add(step)
+    ckpt.maybe_save(step, force=stop)
+
+
+def end_of_run(cfg: JobConfig, ckpt: CheckpointManager, parts: list[nn.Module], step: int) -> None:
+    """After the last step, on every rank: the exports the run asks for, the LoRA adapter as a
+    PEFT folder (lora.export_folder) and the model in checkpoint.export_dtype."""
+    if ckpt.transformed is not None and ckpt.transformed.final is not None:
+        ckpt.transformed.final(parts)
+    if cfg.checkpoint.export_dtype:
+        ckpt.export(step, getattr(torch, cfg.checkpoint.export_dtype))
+
+
 def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
     t, dims = cfg.training, plan.dims
     return Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size, t.local_batch_size,
@@ -389,7 +406,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             continue
         guard.phase("checkpoint save")
         if ft is None or ft.writes_checkpoints():
-            ckpt.maybe_save(step, force=verdict.stop)
+            end_of_step(ckpt, step, verdict.stop)
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             log(step, result, lr)
         if verdict.stop:
@@ -403,6 +420,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     gc_control.stop(t.gc_freq)
     guard.phase("checkpoint save")  # the last save may still be writing
+    if step == t.steps and (ft is None or ft.writes_checkpoints()):
+        end_of_run(cfg, ckpt, parts, step)
     ckpt.close()
     guard.close()
     if ft is not None:

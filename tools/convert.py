@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors, model_shapes, read_info, saved_args, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_initial, load_tensors, model_shapes, read_info, saved_args, write_model_checkpoint
 from titanlite.checkpoint.peft import LoRAInfo, merge, to_peft, write_peft
 from titanlite.errors import ConfigError
+from titanlite.layers import init
 from titanlite.checkpoint.hf import write_hf_folder
 from titanlite.model_spec import ModelSpec, get_model_spec
 
@@ -39,13 +40,20 @@ def _adapter(spec: ModelSpec):
 
 
 def base_weights(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run trained on, as it read them (titanlite.parallel.lora.checkpointing)."""
-    if base["format"] == "hf":
-        return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
-    if base["format"] == "dcp":
-        return load_tensors(base["path"], "model.")
-    model = spec.build(args)
-    model.init_weights(base["seed"])
+    """The weights a LoRA run trained on, loaded as its trainer loaded them: the run's model (its
+    args) seeded, then its checkpoint.initial_load_path through the trainer's own initial load
+    and checks (titanlite.checkpoint.dcp.load_initial; titanlite.checkpoint.lora.checkpointing
+    records which). A weight a transformers folder lacks keeps the seeded value: the run's seed,
+    so one that is not recorded is refused rather than guessed."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    init.materialize(model, torch.device("cpu"), base.get("seed", 0))
+    if base["format"] != "seed":
+        fresh = load_initial([model], Path(base["path"]), base["format"], spec, args)
+        if fresh and "seed" not in base:
+            raise ConfigError(f"{base['path']} holds no weights for {fresh[0]} (and {len(fresh) - 1} more), which the "
+                              "LoRA run seeded with a seed its checkpoint does not record; convert its PEFT adapter "
+                              "(dcp peft) and merge it onto the base with peft instead")
     return model.state_dict()
 
 

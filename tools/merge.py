@@ -4,12 +4,16 @@
 
 Each CKPT is a titanlite checkpoint folder (step-N, export-step-N, a merge's step-N/merged, a
 converted one); only the model is read, one tensor at a time from every checkpoint (DCP reads
-just that tensor's bytes), so a model larger than this host's memory merges. The average is
-sum(w_i x weights_i) / sum(w_i) in fp32, the checkpoints summed in the order given (equal
-weights by default), written in each tensor's saved dtype (or --dtype). OUT is a model-only
-titanlite checkpoint (dcp: for checkpoint.initial_load_path or titanlite.tools.convert), or with
---format hf a transformers folder, written one decoder block at a time. Checkpoints of different
-models (family, model args, tensor names or shapes) are refused. docs/recipes.md.
+just that tensor's bytes), so a model larger than this host's memory merges. A LoRA run's
+checkpoint is the model it defines: each base weight plus scale B A in fp32, as convert dcp hf
+merges it (its base read one tensor at a time from a titanlite checkpoint, whole from a
+transformers folder or the seed). The average is sum(w_i x model_i) / sum(w_i) in fp32, the
+checkpoints summed in the order given (equal weights by default), written in each tensor's
+saved dtype (or --dtype). OUT is a model-only titanlite checkpoint (dcp: for
+checkpoint.initial_load_path or titanlite.tools.convert), or with --format hf a transformers
+folder, written one decoder block at a time where the family maps a block alone; it is written
+whole or not at all. Checkpoints a resume would refuse (another family, other model-identity
+args, tensor names or shapes) are refused. docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from titanlite.checkpoint.dcp import INFO, model_shapes, read_info, saved_args
+from titanlite.checkpoint.dcp import INFO, check_saved_model, model_shapes, read_info, read_metadata, saved_args
 from titanlite.checkpoint.hf import INDEX, HFAdapter
 from titanlite.checkpoint.merge import (Member, average, check_mergeable, merged_info, model_entries, plain_member,
                                         read_tensor, write_lazily)
@@ -71,7 +75,10 @@ def _by_block(adapter: HFAdapter, args: Any, block: list[str], shapes: dict[str,
 def _base_reader(spec: ModelSpec, args: Any, base: dict[str, Any]) -> Callable[[str], torch.Tensor]:
     """A LoRA run's base weights by name: a dcp base one tensor at a time, a transformers folder
     or the seed as a whole model, held while the merge runs."""
-    if base["format"] == "dcp":
+    if base["format"] == "dcp":  # checked as the run's initial load checked it
+        whole = model_shapes(spec, args)
+        check_saved_model(Path(base["path"]), read_info(base["path"]), read_metadata(Path(base["path"])), spec, args,
+                          whole, whole)
         entries = model_entries(Path(base["path"]))
         return lambda name: read_tensor(Path(base["path"]), name, entries[name])
     whole = base_weights(spec, args, base)

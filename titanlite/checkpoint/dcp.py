@@ -221,6 +221,35 @@ def _read(states: dict[str, Any], path: Path) -> None:
         raise _ReadError(_reason(e).split(". ")[0]) from None  # torch's advice after the first sentence
 
 
+def check_model_only(path: Path, model: ModelState, spec: ModelSpec, args: Any,
+                     transform: Callable[[nn.Module], None] | None = None) -> Metadata:
+    """check_saved_model of `path` against the weights `model` loads (this rank's)."""
+    meta = read_metadata(path)
+    mine = {k: v.shape for k, v in model.state_dict().items()}
+    check_saved_model(path, read_info(path), meta, spec, args, mine, model_shapes(spec, args, transform))
+    return meta
+
+
+def load_initial(parts: list[nn.Module], path: Path, fmt: str, spec: ModelSpec, args: Any,
+                 model: ModelState | None = None) -> list[str]:
+    """checkpoint.initial_load_path into the parts, seeded before (a run's on its ranks, or one
+    process's whole model): a titanlite checkpoint (dcp) checked as a resume checks it, or a
+    transformers folder checked against `args`. `model`: the weights it loads (default: all of
+    the parts'). Returns the names a transformers folder left to their initial values."""
+    if fmt == "dcp":
+        model = model if model is not None else ModelState(parts)
+        check_model_only(path, model, spec, args)
+        try:
+            _read({"model": model}, path)
+        except _ReadError as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {path} failed to load ({e})") from None
+        return []
+    if spec.hf is None:
+        raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
+    check_hf_config(spec.hf, path, args)
+    return load_hf_weights(parts, path, spec.hf, args, model_shapes(spec, args))
+
+
 # ---- the manager -------------------------------------------------------------------
 
 class CheckpointManager:
@@ -342,32 +371,17 @@ class CheckpointManager:
 
     def _check_saved(self, path: Path, model: ModelState) -> Metadata:
         """The preflight's check_saved_model again, on the ranks: the last line of defence."""
-        meta = read_metadata(path)
-        mine = {k: v.shape for k, v in model.state_dict().items()}
         transform = None if self.transformed is None else self.transformed.apply
-        check_saved_model(path, read_info(path), meta, self.spec, self.args, mine,
-                          model_shapes(self.spec, self.args, transform))
-        return meta
+        return check_model_only(path, model, self.spec, self.args, transform)
 
     def _load_model_only(self, path: Path) -> None:
         self._check_saved(path, self.initial)
         _read({"model": self.initial}, path)
 
     def _initial_load(self, path: Path, fmt: str) -> None:
-        if fmt == "dcp":
-            try:
-                self._load_model_only(path)
-            except _ReadError as e:
-                raise ConfigError(f"checkpoint.initial_load_path: {path} failed to load ({e})") from None
-        else:
-            adapter = self.spec.hf
-            if adapter is None:
-                raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
-                                  "Hugging Face adapter")
-            check_hf_config(adapter, path, self.args)
-            fresh = load_hf_weights(self.parts, path, adapter, self.args, model_shapes(self.spec, self.args))
-            if fresh and self.rank == 0:
-                print(fresh_line(fresh, path), flush=True)
+        fresh = load_initial(self.parts, path, fmt, self.spec, self.args, self.initial)
+        if fresh and self.rank == 0:
+            print(fresh_line(fresh, path), flush=True)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 
@@ -406,8 +420,6 @@ class CheckpointManager:
     def maybe_save(self, step: int, force: bool = False) -> None:
         """Call after every optimizer step; saves when `step` is due (always the final step) or `force`d (a stop)."""
         self._finish_pending(block=False)
-        if step == self.final_step and self.transformed is not None and self.transformed.final is not None:
-            self.transformed.final(self.parts)
         if not self.cfg.enable:
             return
         self.train_state.step = step
@@ -415,12 +427,8 @@ class CheckpointManager:
         self.train_state.tokens_seen = self._loaded_tokens + done * self.seq_len
         self.data.samples_seen = self._loaded_samples + done
         self.states |= {k: v for k, v in self.optional.items() if v}  # other checkpoints stay as they were
-        if merge := self.optional.get("merge"):  # checkpoint.merge_last (titanlite.checkpoint.merge)
-            merge.add(step)
         if self.due(step) or force:
             self._save(step)
-        if step == self.final_step and self.cfg.export_dtype:
-            self._export(step, getattr(torch, self.cfg.export_dtype))
 
     def _save(self, step: int) -> None:
         self._finish_pending(block=True)  # one save in flight at a time
@@ -456,7 +464,8 @@ class CheckpointManager:
                            "job.dump_folder, then restart to resume")
         _warn(f"{msg}; training continues (checkpoint.on_save_error = continue)")
 
-    def _export(self, step: int, dtype: torch.dtype) -> None:
+    def export(self, step: int, dtype: torch.dtype) -> None:
+        """The model alone in `dtype`, as export-step-N (checkpoint.export_dtype); call from every rank."""
         sd = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
         tmp, final = self.root / f"export-step-{step}.tmp", self.root / f"export-step-{step}"
         dcp.save({"model": sd}, checkpoint_id=str(tmp))
