@@ -27,7 +27,7 @@ from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
-from titanlite.data.loader import build_dataloader, ignored_keys_note
+from titanlite.data.loader import batches_of, build_dataloader, ignored_keys_note
 from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
@@ -355,9 +355,14 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
                    dims.dp, device, start_step, {"guard": tally},
                    cfg.comm.init_timeout_s) if cfg.fault_tolerance.enable else None)
-    rerun = restarted.rerun(cfg.job.dump_folder) if restarted and cfg.fault_tolerance.rerun_on_nonfinite else None
+    # the rerun's data on the next data-parallel rank: a fault that stays with a rank is its machine's
+    moved = dims.dp > 1 and not cfg.data.streaming
+    rerun = (restarted.rerun(cfg.job.dump_folder, moved) if restarted and cfg.fault_tolerance.rerun_on_nonfinite
+             else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)
+    if cfg.fault_tolerance.rerun_on_nonfinite:  # each rank flags where a non-finite value first appears
+        guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -387,6 +392,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         profiler.step_begin(step)
         lr = optimizers.lr
         batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
+        if rerun is not None and rerun.moved and step == rerun.step:
+            batches = batches_of(loader, step, (dp_rank + 1) % dims.dp)
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)
         if result is None:  # replica groups: a group left or failed mid-step; the same batch again
             optimizers.zero_grad()
