@@ -87,13 +87,13 @@ def test_a_killed_a_hung_and_a_nan_rank_restart_and_log_the_losses_of_a_run_that
     assert (machine["hardware_fault"], machine["step"], machine["ranks"]) == (True, 10, [1]) and machine["hosts"]
     said = [line for line in lines if line.startswith("titanlite: ") and "; restart " in line]
     assert said == [f"titanlite: {r['cause']}; restart {r['restart']} of at most 5, resuming from step "
-                    f"{r['resumed_from']}" + (f", to rerun {r['cause'].split(':')[0]} with the same data "
+                    f"{r['resumed_from']}" + (f", to rerun {r['cause'].split(':')[0]} with its data on other ranks "
                                               "(fault_tolerance.rerun_on_nonfinite)" if r["restart"] > 2 else "")
                     for r in restarts], said
     # in the order it happened: each restart's line first, then that attempt's steps; nothing else
     firsts = [i for i, line in enumerate(lines) if line.startswith("titanlite: llama3")]
     assert [lines.index(line) for line in said] == [i - 1 for i in firsts[1:]], lines
-    assert any(line.startswith("titanlite: warning: step 9 is finite when rerun with the same data and weights: "
+    assert any(line.startswith("titanlite: warning: step 9 is finite when rerun with its data on other ranks and the same weights: "
                                "its non-finite result on rank 1 (") for line in lines), lines
     assert not [line for line in lines if not line.startswith(("titanlite: ", "step "))], lines
     assert not any("SIGTERM" in line or "resumed from" in line for line in lines), lines
@@ -170,7 +170,7 @@ def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkey
             self.scalars.append(args)
 
     restarted = Restart.read()
-    assert restarted.line(3, heals=False, rerun=False) == ("titanlite: rank 1 was killed by SIGKILL at step 4; "
+    assert restarted.line(3, heals=False, rerun=None) == ("titanlite: rank 1 was killed by SIGKILL at step 4; "
                                                            "restart 1 of at most 3, resuming from step 3")
     restarted.record(str(tmp_path), 3, Board())
     assert Board.scalars == [("train/restarts", 1, 3)]

@@ -368,7 +368,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
-             restarted and restarted.line(start_step, ft is not None, rerun is not None))
+             restarted and restarted.line(start_step, ft is not None, rerun))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     data_iter = iter(loader)

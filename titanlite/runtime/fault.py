@@ -329,7 +329,9 @@ class Guard:
         self._where[place] = torch.maximum(self._where[place], (~torch.isfinite(t).all()).float())
 
     def _forward(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
-        out = output if isinstance(output, torch.Tensor) else output[0]
+        out = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
+        if not isinstance(out, torch.Tensor):  # a block that returns no hidden state to watch
+            return None
         if index == self._blocks[0] and torch.is_grad_enabled() and self._injected("nanact"):
             out = out * float("nan")
         self._mark(index, out)

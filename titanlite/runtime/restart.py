@@ -105,13 +105,13 @@ class Restart:
         step = next((r["nonfinite"]["step"] for r in reports.values() if r.get("nonfinite")), None)
         return cls(k, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), rank, cause, step, bool(mine.get("own")))
 
-    def line(self, resumed_from: int, heals: bool, rerun: bool) -> str:
+    def line(self, resumed_from: int, heals: bool, rerun: Rerun | None) -> str:
         """The restart's one line, said once the attempt has resumed."""
         start = f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)"
         return (f"titanlite: {self.cause}; restart {self.k} of at most {self.limit}, resuming from {start}"
                 + (", then healing from a live replica group" if heals else "")
-                + (f", to rerun step {self.nonfinite_step} with the same data (fault_tolerance.rerun_on_nonfinite)"
-                   if rerun and self.nonfinite_step else ""))
+                + (f", to rerun step {self.nonfinite_step} {rerun.how} (fault_tolerance.rerun_on_nonfinite)"
+                   if rerun is not None and self.nonfinite_step else ""))
 
     def rerun(self, dump_folder: str, moved: bool) -> Rerun | None:
         """The rerun of the step attempt k - 1 stopped at as non-finite, if it did; `moved`: its
@@ -144,6 +144,10 @@ class Rerun:
     dump_folder: str
     moved: bool = False
     """The rerun's data is on other ranks (the data-parallel order shifted by one)."""
+
+    @property
+    def how(self) -> str:
+        return "with its data on other ranks" if self.moved else "with the same data"
 
     def _who(self, now: bool = False) -> list[tuple[bool, bool, str]]:
         who: list[Any] = [None] * dist.get_world_size()
@@ -185,7 +189,7 @@ class Rerun:
         where = ", ".join(f"{r} ({who[r][2]})" for r in ranks) or "?"
         _append(self.dump_folder, {"suspected_hardware_fault": True, "step": self.step, "ranks": ranks,
                                    "hosts": hosts})
-        print(f"titanlite: warning: step {self.step} is finite when rerun with the same data and weights: its "
+        print(f"titanlite: warning: step {self.step} is finite when rerun {self.how} and the same weights: its "
               f"non-finite result on rank {where} was transient, a suspected hardware fault (recorded in "
               f"{Path(self.dump_folder) / 'restarts.jsonl'}); training on", file=sys.stderr, flush=True)
 
