@@ -38,6 +38,7 @@ from titanlite.errors import ConfigError
 from titanlite.model_spec import ModelSpec, get_model_spec
 from titanlite.tools.convert import base_weights
 
+
 def _weights(text: str, n: int) -> list[float]:
     if not text:
         return [1.0] * n

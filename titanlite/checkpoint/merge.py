@@ -1,8 +1,9 @@
 """Checkpoint merging: the average of several checkpoints' weights, in fp32.
 
 Offline (titanlite.tools.merge): `average` reads one tensor at a time from every checkpoint
-through DCP and `write_lazily` writes each average as DCP's writer asks for it, so a host holds
-about one tensor (its fp32 sum and one checkpoint's copy), never a model. In a run
+through DCP (a LoRA run's as the model it defines: `Member`) and `write_lazily` writes each
+average as DCP's writer asks for it, so a host holds about one tensor (its fp32 sum and one
+checkpoint's copy), never a model. In a run
 (checkpoint.merge_last = N): `ModelMerge` sums the weights of the last N steps before each
 scheduled save, sharded like the weights, and writes their average into that checkpoint's folder
 (step-K/merged, a model-only checkpoint); a save between (a stop) keeps the partial sum in the
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from titanlite.checkpoint.peft import LoRAInfo
 from titanlite.checkpoint.state import ModelState
 from titanlite.config.job import Checkpoint
 from titanlite.errors import ConfigError
+
 
 def model_entries(path: Path) -> dict[str, TensorStorageMetadata]:
     """A checkpoint's model tensors (names without "model.") and their saved size and dtype."""
