@@ -131,6 +131,29 @@ def test_a_nonfinite_value_names_the_rank_where_it_first_appeared(tmp_path):
     assert [(r["step"], r["ranks"]) for r in rows if "suspected_hardware_fault" in r] == [(3, [0]), (6, [1])], rows
 
 
+@pytest.mark.parametrize("moved,here,now,says", [
+    (True, True, True, "a fault of that machine, not of the data"),
+    (True, False, True, "but no rank could be named both times: the data's or the machine's, which this run cannot tell"),
+    (False, True, True, "the rerun could not move its data (one data-parallel rank, or streamed data): the data's "
+                        "or the machine's, which this run cannot tell"),
+], ids=["stays", "unnamed_before", "cannot_move"])
+def test_a_recurring_nonfinite_step_is_the_machines_only_where_it_stayed(tmp_path, moved, here, now, says):
+    """Rerun.again's verdict, on one gloo rank: named before and now with its data moved is the
+    machine's (and recorded); not named before, or data that could not move, cannot tell (the
+    data's verdict needs a second rank to move to: the launch above)."""
+    import torch.distributed as dist
+    from titanlite.runtime.restart import Rerun
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        why, fix = Rerun(10, here, str(tmp_path), moved).again(now)
+    finally:
+        dist.destroy_process_group()
+    assert says in why, why
+    rows = (tmp_path / "restarts.jsonl").read_text().splitlines() if (tmp_path / "restarts.jsonl").exists() else []
+    assert bool(rows) == (moved and here and now) and ("Run without" in fix) == bool(rows)
+
+
 def test_rerun_on_nonfinite_on_a_gpu_needs_deterministic_steps():
     from titanlite.config import load as config_load
     from titanlite.errors import ConfigError

@@ -163,18 +163,20 @@ class Rerun:
         before, after = [r for r, w in enumerate(who) if w[0]], [r for r, w in enumerate(who) if w[1]]
         where = ", ".join(f"{r} ({who[r][2]})" for r in after) or "?"
         tail = " no more restarts (fault_tolerance.rerun_on_nonfinite). "
-        if not self.moved:
-            return (f"again on rank {where}, rerun after a restart with the same data and weights on the same ranks "
-                    "(one data-parallel rank: its data cannot move): the data's or the machine's, which this layout "
-                    "cannot tell;" + tail, "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip")
-        if after and after == before:
+        if not (self.moved and before and after):
+            why = ("the rerun could not move its data (one data-parallel rank, or streamed data)" if not self.moved
+                   else "no rank could be named both times")
+            return (f"again on rank {where}, rerun after a restart {self.how} and the same weights, but {why}: the "
+                    "data's or the machine's, which this run cannot tell;" + tail,
+                    "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip")
+        if after == before:
             hosts = sorted({who[r][2] for r in after})
             if dist.get_rank() == 0:
                 _append(self.dump_folder, {"hardware_fault": True, "step": self.step, "ranks": after, "hosts": hosts})
             return (f"again on rank {where}, rerun after a restart with the same weights and its data on other ranks: "
                     "a fault of that machine, not of the data;" + tail,
                     f"Run without {', '.join(hosts)} (recorded in {Path(self.dump_folder) / 'restarts.jsonl'})")
-        return (f"again, on rank {where} where the rerun moved its data (from rank {', '.join(map(str, before)) or '?'}): "
+        return (f"again, on rank {where} where the rerun moved its data (from rank {', '.join(map(str, before))}): "
                 "the data or the model, not the machine;" + tail,
                 "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip")
 
