@@ -361,7 +361,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
              else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)
-    if cfg.fault_tolerance.rerun_on_nonfinite:  # each rank flags where a non-finite value first appears
+    # each rank flags where a non-finite value first appears (not inside blocks compiled whole)
+    if cfg.fault_tolerance.rerun_on_nonfinite and not (cfg.compile.enable and "model" in cfg.compile.components):
         guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
