@@ -14,10 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs, Transformer
-from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.checkpoint.dcp import load_tensors, saved_args, write_model_checkpoint
 from titanlite.errors import ConfigError
 from titanlite.model_spec import get_model_spec, model_args
-from titanlite.saved_model import rebuild_args
 from titanlite.tools.convert import main as convert_main
 from titanlite.checkpoint.hf import check_hf_config, read_config, read_safetensors
 
@@ -188,7 +187,7 @@ def test_every_flavor_of_every_family_comes_back_from_its_saved_args():
     for family in ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"):
         flavors = list(get_model_spec(family).flavors.values())
         for args in flavors:
-            assert rebuild_args(flavors, json.loads(json.dumps(dataclasses.asdict(args)))) == args, (family, args)
+            assert saved_args(flavors, json.loads(json.dumps(dataclasses.asdict(args)))) == args, (family, args)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "gpt_oss"])
@@ -197,7 +196,7 @@ def test_export_writes_the_model_context_length_not_the_training_one(family):
     # stores (titanlite.json, read back by the converter) must still export the model's own
     spec = get_model_spec(family)
     args = model_args(spec, "debugmodel", 0, seq_len=64)
-    saved = rebuild_args(list(spec.flavors.values()), json.loads(json.dumps(dataclasses.asdict(args))))
+    saved = saved_args(list(spec.flavors.values()), json.loads(json.dumps(dataclasses.asdict(args))))
     cfg = spec.hf.config_to_hf(saved, torch.float32)
     assert args.max_seq_len == 64
     assert cfg["max_position_embeddings"] == spec.flavors["debugmodel"].max_seq_len > 64

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import titanlite
-from harness import TINY, assert_parity, reference, spawn_ranks
+from harness import TINY, assert_parity, reference, spawn_ranks, train
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -43,6 +43,7 @@ from titanlite.checkpoint.lora import setup_lora
 from titanlite.layers.lora import apply_lora
 from titanlite.preflight import make_plan, preflight
 from titanlite.tools.convert import main as convert_main
+from titanlite.tools.merge import main as merge_main
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = "q_proj,k_proj,v_proj,o_proj,down_proj"  # by their Hugging Face names
@@ -321,6 +322,40 @@ def test_export_merge_and_convert_agree_with_peft(layouts, tmp_path):
     assert max((merged[k] - theirs[k]).abs().max().item() for k in merged) <= 1e-6
     base = read_safetensors(root / "base")
     assert (merged["model.layers.0.self_attn.q_proj.weight"] - base["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-3
+
+
+def test_merge_of_lora_checkpoints_is_the_mean_of_their_models(layouts, tmp_path):
+    """tools.merge of a LoRA run's checkpoints (steps 5 and 10): the mean of the models they define
+    (each base + scale B A, then the mean; not mean(B) mean(A)), as dcp and as hf, equals the mean
+    of their merged exports; the dcp merge is the base of a new run, whose first loss is the
+    merged model's on its first batch."""
+    ckpt, root = layouts["dumps"]["fsdp2"] / "checkpoint", layouts["root"]
+    steps, exports = [ckpt / "step-5", ckpt / "step-10"], []
+    for step in steps:
+        convert_main(["dcp", "hf", str(step), str(tmp_path / step.name)])
+        exports.append(read_safetensors(tmp_path / step.name))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (exports[0][q] - exports[1][q]).abs().max() > 1e-3  # steps 5 and 10 are models apart
+    mean = {k: (exports[0][k] + exports[1][k]) / 2 for k in exports[0]}
+    merge_main([*map(str, steps), str(tmp_path / "mean")])
+    merge_main([*map(str, steps), str(tmp_path / "mean_hf"), "--format", "hf"])
+    convert_main(["dcp", "hf", str(tmp_path / "mean"), str(tmp_path / "mean_export")])
+    for got in (read_safetensors(tmp_path / "mean_hf"), read_safetensors(tmp_path / "mean_export")):
+        assert got.keys() == mean.keys()
+        assert max((got[k] - mean[k]).abs().max().item() for k in got) <= 1e-6
+    run = train(1, [*TINY, "--training.global_batch_size", "8", "--training.local_batch_size", "8",
+                    "--training.steps", "1", "--checkpoint.initial_load_path", str(tmp_path / "mean")],
+                dump=tmp_path / "next")
+    assert f"initial weights from {tmp_path / 'mean'} (dcp)" in run.output
+    cfg, _ = config_load.load([*layouts["lora"], "--training.local_batch_size", "8", "--job.dump_folder",
+                               str(root / "probe")])
+    batch = next(iter(build_dataloader(cfg.data, preflight(cfg, 1).tokenizer, seq_len=64, global_batch_size=8,
+                                       local_batch_size=8, dp_rank=0, dp_degree=1)))
+    model, _ = titanlite.load_hf(tmp_path / "mean_hf", "llama3")
+    with torch.no_grad():
+        logits = model.eval()(batch["input_ids"])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+    assert abs(run.losses[0] - loss.item()) / loss.item() <= 1e-6, (run.losses, loss.item())
 
 
 # ---- bad input --------------------------------------------------------------------------------

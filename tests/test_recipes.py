@@ -335,6 +335,52 @@ def test_merge_of_two_checkpoints_is_their_mean(tmp_path):
         torch.testing.assert_close(v, (a[k] + 3 * b[k]) / 4, rtol=1e-6, atol=1e-6)
 
 
+def _family_checkpoint(path: Path, family: str, flavor: str, seed: int, bias: bool = False, **changes) -> None:
+    """Random weights; buffers (a MoE's selection bias) as built unless `bias`."""
+    spec = titanlite.get_model_spec(family)
+    args = dataclasses.replace(spec.flavors[flavor], **changes)
+    model = spec.build(args)
+    g = torch.Generator().manual_seed(seed)
+    trained = dict(model.named_parameters())
+    state = {k: torch.randn(v.shape, generator=g) * 0.02 if k in trained or bias else v
+             for k, v in model.state_dict().items()}
+    write_model_checkpoint(path, state, family, args)
+
+
+def test_merge_to_hf_is_the_mean_of_the_exports_for_every_family(tmp_path):
+    """Every family with a transformers mapping, Qwen3.5 (whose to_hf maps all blocks at once) and
+    the transformers family included: the merge written as a transformers folder equals the
+    weighted mean of the checkpoints' own exports (convert dcp hf); checkpoints that differ in
+    max_seq_len (a training knob resume accepts) merge. A merge that fails leaves no folder."""
+    from titanlite.checkpoint.hf import read_safetensors
+    from titanlite.tools.convert import main as convert_main
+
+    for family in titanlite.available_models():
+        spec = titanlite.get_model_spec(family)
+        if spec.hf is None:
+            continue
+        flavor = next(f for f in spec.flavors if f.startswith("debug"))
+        # two blocks (fewer tensors to read), but Qwen3.5's four: its full-attention block is the last
+        depth = {} if family == "qwen3_5" else {"n_layers": 2}
+        a, b, out = tmp_path / f"{family}-a", tmp_path / f"{family}-b", tmp_path / f"{family}-hf"
+        _family_checkpoint(a, family, flavor, 1, **depth)
+        _family_checkpoint(b, family, flavor, 2, max_seq_len=spec.flavors[flavor].max_seq_len // 2, **depth)
+        merge.main([str(a), str(b), str(out), "--weights", "1,3", "--format", "hf"])
+        got, exports = read_safetensors(out), []
+        for c in (a, b):
+            convert_main(["dcp", "hf", str(c), str(c) + "-export"])
+            exports.append(read_safetensors(str(c) + "-export"))
+        assert got.keys() == exports[0].keys(), family
+        for k, v in got.items():
+            torch.testing.assert_close(v, (exports[0][k] + 3 * exports[1][k]) / 4, rtol=1e-6, atol=1e-6,
+                                       msg=f"{family} {k}")
+    # Qwen3.5 has no router bias: a non-zero one (aux-loss-free balancing) cannot be exported
+    _family_checkpoint(tmp_path / "biased", "qwen3_5", "debugmodel_moe", 3, bias=True)
+    with pytest.raises(SystemExit, match="has no router bias"):
+        merge.main([str(tmp_path / "biased"), str(tmp_path / "biased"), str(tmp_path / "failed"), "--format", "hf"])
+    assert not list(tmp_path.glob("failed*"))
+
+
 @pytest.mark.parametrize("other,says", [
     (("llama3", "debugmodel_tied", (4, 8)), "different tie_embeddings"),
     (("qwen3", "debugmodel", (4, 8)), "holds a 'qwen3' model"),

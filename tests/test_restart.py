@@ -70,11 +70,12 @@ def test_a_killed_a_hung_and_a_nan_rank_restart_and_log_the_losses_of_a_run_that
         code = proc.wait(timeout=300)
         lines = output(out)
     assert code == 1, lines[-30:]
-    assert lines[-1].startswith("titanlite: error: step 10: non-finite loss again, rerun after a restart with the same "
-                                "data and weights: the data or the model, not the machine; no more restarts"), lines
+    assert lines[-1].startswith("titanlite: error: step 10: non-finite loss again on rank 1 ("), lines
+    assert ("), rerun after a restart with the same weights and its data on other ranks: a fault of that machine, not "
+            "of the data; no more restarts (fault_tolerance.rerun_on_nonfinite). Run without ") in lines[-1], lines[-1]
     assert lines[-1].endswith("(after 4 restarts; fault_tolerance.max_restarts 5)"), lines[-1]
     rows = [json.loads(row) for row in (dump / "restarts.jsonl").read_text().splitlines()]
-    restarts, (fault,) = [r for r in rows if "restart" in r], [r for r in rows if "restart" not in r]
+    restarts, (fault, machine) = [r for r in rows if "restart" in r], [r for r in rows if "restart" not in r]
     # (a hang is named by the first watchdog to fire: the hung rank's or its peer's, whichever)
     assert [(r["restart"], r["resumed_from"]) for r in restarts] == [(1, 3), (2, 6), (3, 6), (4, 9)], rows
     assert [restarts[i]["rank"] for i in (0, 2, 3)] == [1, 1, 1], rows
@@ -82,15 +83,17 @@ def test_a_killed_a_hung_and_a_nan_rank_restart_and_log_the_losses_of_a_run_that
     assert restarts[1]["cause"].startswith("step 8: exceeded comm.train_timeout_s (4 s) in compute on rank ")
     assert [r["cause"] for r in restarts[2:]] == ["step 9: non-finite loss on rank 1", "step 10: non-finite loss on rank 1"]
     assert (fault["suspected_hardware_fault"], fault["step"], fault["ranks"]) == (True, 9, [1]) and fault["hosts"]
+    # nan@10:1/every stays on rank 1 although the rerun gave rank 1 rank 0's rows: the machine's
+    assert (machine["hardware_fault"], machine["step"], machine["ranks"]) == (True, 10, [1]) and machine["hosts"]
     said = [line for line in lines if line.startswith("titanlite: ") and "; restart " in line]
     assert said == [f"titanlite: {r['cause']}; restart {r['restart']} of at most 5, resuming from step "
-                    f"{r['resumed_from']}" + (f", to rerun {r['cause'].split(':')[0]} with the same data "
+                    f"{r['resumed_from']}" + (f", to rerun {r['cause'].split(':')[0]} with its data on other ranks "
                                               "(fault_tolerance.rerun_on_nonfinite)" if r["restart"] > 2 else "")
                     for r in restarts], said
     # in the order it happened: each restart's line first, then that attempt's steps; nothing else
     firsts = [i for i, line in enumerate(lines) if line.startswith("titanlite: llama3")]
     assert [lines.index(line) for line in said] == [i - 1 for i in firsts[1:]], lines
-    assert any(line.startswith("titanlite: warning: step 9 is finite when rerun with the same data and weights: "
+    assert any(line.startswith("titanlite: warning: step 9 is finite when rerun with its data on other ranks and the same weights: "
                                "its non-finite result on rank 1 (") for line in lines), lines
     assert not [line for line in lines if not line.startswith(("titanlite: ", "step "))], lines
     assert not any("SIGTERM" in line or "resumed from" in line for line in lines), lines
@@ -106,6 +109,62 @@ def test_a_killed_a_hung_and_a_nan_rank_restart_and_log_the_losses_of_a_run_that
         lines = output(out)
     assert code == 2 and lines[-1].startswith("titanlite: error: the checkpoint's data order differs"), lines[-30:]
     assert not any(" restart " in line for line in lines), lines
+
+
+def test_a_nonfinite_value_names_the_rank_where_it_first_appeared(tmp_path):
+    """fault_tolerance.rerun_on_nonfinite on PP 2 (stage 0 on rank 0): activations made NaN on
+    stage 0 at step 3 reach the loss on rank 1, yet rank 0 is named; a gradient made NaN on
+    rank 1 at step 6 (the loss finite) reaches stage 0's gradients too, yet rank 1 is named.
+    Each rerun is finite (the faults fire once): a suspected hardware fault on the rank named.
+    One data-parallel rank: the rerun cannot move the data, and says so only if it recurs."""
+    dump = tmp_path / "dump"
+    args = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "6",
+            "--parallelism.pipeline_parallel_degree", "2", "--fault_tolerance.rerun_on_nonfinite", "true",
+            "--fault_tolerance.max_restarts", "2", "--skip-preflight"]
+    with run_sh(args, dump, env={"TITANLITE_FAULTS": "nanact@3:0,nangrad@6:1"}) as (proc, out):
+        code = proc.wait(timeout=300)
+        lines = output(out)
+    assert code == 0, lines[-30:]
+    rows = [json.loads(row) for row in (dump / "restarts.jsonl").read_text().splitlines()]
+    assert [r["cause"] for r in rows if "restart" in r] == ["step 3: non-finite loss on rank 0",
+                                                           "step 6: non-finite gradient norm on rank 1"], rows
+    assert [(r["step"], r["ranks"]) for r in rows if "suspected_hardware_fault" in r] == [(3, [0]), (6, [1])], rows
+
+
+@pytest.mark.parametrize("moved,here,now,says", [
+    (True, True, True, "a fault of that machine, not of the data"),
+    (True, False, True, "but no rank could be named both times: the data's or the machine's, which this run cannot tell"),
+    (False, True, True, "the rerun could not move its data (one data-parallel rank, or streamed data): the data's "
+                        "or the machine's, which this run cannot tell"),
+], ids=["stays", "unnamed_before", "cannot_move"])
+def test_a_recurring_nonfinite_step_is_the_machines_only_where_it_stayed(tmp_path, moved, here, now, says):
+    """Rerun.again's verdict, on one gloo rank: named before and now with its data moved is the
+    machine's (and recorded); not named before, or data that could not move, cannot tell (the
+    data's verdict needs a second rank to move to: the launch above)."""
+    import torch.distributed as dist
+    from titanlite.runtime.restart import Rerun
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        why, fix = Rerun(10, here, str(tmp_path), moved).again(now)
+    finally:
+        dist.destroy_process_group()
+    assert says in why, why
+    rows = (tmp_path / "restarts.jsonl").read_text().splitlines() if (tmp_path / "restarts.jsonl").exists() else []
+    assert bool(rows) == (moved and here and now) and ("Run without" in fix) == bool(rows)
+
+
+def test_rerun_on_nonfinite_on_a_gpu_needs_deterministic_steps():
+    from titanlite.config import load as config_load
+    from titanlite.errors import ConfigError
+    from titanlite.preflight import make_plan
+
+    cfg, _ = config_load.load([*TINY, "--fault_tolerance.rerun_on_nonfinite", "true", "--fault_tolerance.max_restarts",
+                               "1", "--checkpoint.enable", "true"])
+    with pytest.raises(ConfigError, match="a GPU repeats a step only with deterministic kernels: set "
+                                          "training.deterministic = true, or rerun_on_nonfinite = false"):
+        make_plan(cfg, 1, target="cuda")
+    make_plan(cfg, 1, target="cpu")
 
 
 def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkeypatch, capsys):
@@ -134,7 +193,7 @@ def test_a_restart_names_its_cause_in_a_line_a_row_and_a_scalar(tmp_path, monkey
             self.scalars.append(args)
 
     restarted = Restart.read()
-    assert restarted.line(3, heals=False, rerun=False) == ("titanlite: rank 1 was killed by SIGKILL at step 4; "
+    assert restarted.line(3, heals=False, rerun=None) == ("titanlite: rank 1 was killed by SIGKILL at step 4; "
                                                            "restart 1 of at most 3, resuming from step 3")
     restarted.record(str(tmp_path), 3, Board())
     assert Board.scalars == [("train/restarts", 1, 3)]

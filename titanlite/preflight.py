@@ -93,6 +93,11 @@ def make_plan(cfg: JobConfig, world_size: int, target: str | None = None) -> Pla
                           f"parallelism.tensor_parallel_degree {dims.tp}{cp}, as sequence parallel needs; "
                           "change one or set parallelism.sequence_parallel = false")
     float8.preflight(cfg.float8, target or cfg.training.device, dims.tp, here=target is None)
+    if cfg.fault_tolerance.rerun_on_nonfinite and not cfg.training.deterministic and _on_cuda(target or cfg.training.device):
+        # a rerun tells the machine from the data only if the step itself repeats
+        raise ConfigError("fault_tolerance.rerun_on_nonfinite reruns a non-finite step to tell a machine's fault from "
+                          "the data's, and a GPU repeats a step only with deterministic kernels: set "
+                          "training.deterministic = true, or rerun_on_nonfinite = false")
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"checkpoint.create_seed_checkpoint runs on one process, not {world_size}; "

@@ -3,44 +3,34 @@ folder's family, args and weights, a LoRA run's adapter merged into the base it 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import titanlite
-from titanlite.checkpoint.dcp import load_tensors, read_info
+from titanlite.checkpoint.dcp import load_initial, load_tensors, read_info, saved_args
 from titanlite.checkpoint.peft import merge
 from titanlite.layers.lora import LoRASetup
+from titanlite.errors import ConfigError
+from titanlite.layers import init
 from titanlite.model_spec import ModelSpec, get_model_spec
 
 
-def rebuild_args(templates: list[Any], values: dict[str, Any]) -> Any:
-    """ModelArgs from their saved JSON form: nested dataclasses (a MoE layer's args, YaRN) and
-    tuples come back as dicts and lists. `templates`: the family's flavors; a nested field takes
-    its type from the first that sets it (a flavor may leave it None, as DeepSeek-V3 16B's YaRN)."""
-    fields = {}
-    for f in dataclasses.fields(templates[0]):
-        if f.name not in values:
-            continue
-        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
-        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
-        if v is None or not (nested or isinstance(kinds[0], tuple)):
-            fields[f.name] = v
-        else:
-            fields[f.name] = rebuild_args(nested, v) if nested else tuple(v)
-    return dataclasses.replace(templates[0], **fields)
-
-
 def base_weights(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run trained on, as it read them (titanlite.checkpoint.lora.checkpointing)."""
-    if base["format"] == "hf":
-        return titanlite.load_hf(base["path"], spec.name)[0].state_dict()
-    if base["format"] == "dcp":
-        return load_tensors(base["path"], "model.")
-    model = spec.build(args)
-    model.init_weights(base["seed"])
+    """The weights a LoRA run trained on, loaded as its trainer loaded them: the run's model (its
+    args) seeded, then its checkpoint.initial_load_path through the trainer's own initial load
+    and checks (titanlite.checkpoint.dcp.load_initial; titanlite.checkpoint.lora.checkpointing
+    records which). A weight a transformers folder lacks keeps the seeded value: the run's seed,
+    so one that is not recorded is refused rather than guessed."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    init.materialize(model, torch.device("cpu"), base.get("seed", 0))
+    if base["format"] != "seed":
+        fresh = load_initial([model], Path(base["path"]), base["format"], spec, args)
+        if fresh and "seed" not in base:
+            raise ConfigError(f"{base['path']} holds no weights for {fresh[0]} (and {len(fresh) - 1} more), which the "
+                              "LoRA run seeded with a seed its checkpoint does not record; convert its PEFT adapter "
+                              "(dcp peft) and merge it onto the base with peft instead")
     return model.state_dict()
 
 
@@ -49,7 +39,7 @@ def read_dcp(path: Path, merged: bool = True):
     `merged` into its base weights, else its trained tensors as saved."""
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    args = rebuild_args(list(spec.flavors.values()), info["args"])
+    args = saved_args(list(spec.flavors.values()), info["args"])
     record = info.get("transform", {})
     if "lora" not in record:
         return spec, args, load_tensors(path, "model."), None

@@ -27,7 +27,7 @@ from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
-from titanlite.data.loader import build_dataloader, ignored_keys_note
+from titanlite.data.loader import batches_of, build_dataloader, ignored_keys_note
 from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
@@ -243,6 +243,23 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
     return ckpt, window, counts
 
 
+def end_of_step(ckpt: CheckpointManager, step: int, stop: bool) -> None:
+    """After a step's update: its weights join checkpoint.merge_last's running sum (the window's
+    average is written with the save), then the save that is due (or forced by a stop)."""
+    if merge := ckpt.optional.get("merge"):
+        merge.add(step)
+    ckpt.maybe_save(step, force=stop)
+
+
+def end_of_run(cfg: JobConfig, ckpt: CheckpointManager, parts: list[nn.Module], step: int) -> None:
+    """After the last step, on every rank: the exports the run asks for, the LoRA adapter as a
+    PEFT folder (lora.export_folder) and the model in checkpoint.export_dtype."""
+    if ckpt.transformed is not None and ckpt.transformed.final is not None:
+        ckpt.transformed.final(parts)
+    if cfg.checkpoint.export_dtype:
+        ckpt.export(step, getattr(torch, cfg.checkpoint.export_dtype))
+
+
 def build_validator(cfg: JobConfig, plan: Plan, meshes: Meshes) -> Validator:
     t, dims = cfg.training, plan.dims
     return Validator(cfg.validation, cfg.data, plan.tokenizer, t.seq_len, plan.global_batch_size, t.local_batch_size,
@@ -340,15 +357,21 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
                    dims.dp, device, start_step, {"guard": tally},
                    cfg.comm.init_timeout_s) if cfg.fault_tolerance.enable else None)
-    rerun = restarted.rerun(cfg.job.dump_folder) if restarted and cfg.fault_tolerance.rerun_on_nonfinite else None
+    # the rerun's data on the next data-parallel rank: a fault that stays with a rank is its machine's
+    moved = dims.dp > 1 and not cfg.data.streaming
+    rerun = (restarted.rerun(cfg.job.dump_folder, moved) if restarted and cfg.fault_tolerance.rerun_on_nonfinite
+             else None)
     guard = Guard(rank, cfg.job.dump_folder, cfg.comm, t, cfg.job.shutdown_timeout_s, start_step,
                   set_comm_timeout=meshes.groups.set_timeout, window=window, counts=tally, rerun=rerun)
+    # each rank flags where a non-finite value first appears (not inside blocks compiled whole)
+    if cfg.fault_tolerance.rerun_on_nonfinite and not (cfg.compile.enable and "model" in cfg.compile.components):
+        guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
-             restarted and restarted.line(start_step, ft is not None, rerun is not None))
+             restarted and restarted.line(start_step, ft is not None, rerun))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
@@ -372,6 +395,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         profiler.step_begin(step)
         lr = optimizers.lr
         batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
+        if rerun is not None and rerun.moved and step == rerun.step:
+            batches = batches_of(loader, step, (dp_rank + 1) % dims.dp)
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)
         if result is None:  # replica groups: a group left or failed mid-step; the same batch again
             optimizers.zero_grad()
@@ -391,7 +416,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             continue
         guard.phase("checkpoint save")
         if ft is None or ft.writes_checkpoints():
-            ckpt.maybe_save(step, force=verdict.stop)
+            end_of_step(ckpt, step, verdict.stop)
         if logged(step, cfg.metrics.log_freq, t.steps) or verdict.stop:
             log(step, result, lr)
         if verdict.stop:
@@ -405,6 +430,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     gc_control.stop(t.gc_freq)
     guard.phase("checkpoint save")  # the last save may still be writing
+    if step == t.steps and (ft is None or ft.writes_checkpoints()):
+        end_of_run(cfg, ckpt, parts, step)
     ckpt.close()
     guard.close()
     if ft is not None:

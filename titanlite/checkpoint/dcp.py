@@ -69,6 +69,24 @@ def read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
 
 
+def saved_args(templates: list[Any], values: dict[str, Any]) -> Any:
+    """ModelArgs from their saved JSON form (titanlite.json's "args"): nested dataclasses (a MoE
+    layer's args, YaRN) and tuples come back as dicts and lists. `templates`: the family's
+    flavors; a nested field takes its type from the first that sets it (a flavor may leave it
+    None, as DeepSeek-V3 16B's YaRN)."""
+    fields = {}
+    for f in dataclasses.fields(templates[0]):
+        if f.name not in values:
+            continue
+        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
+        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
+        if v is None or not (nested or isinstance(kinds[0], tuple)):
+            fields[f.name] = v
+        else:
+            fields[f.name] = saved_args(nested, v) if nested else tuple(v)
+    return dataclasses.replace(templates[0], **fields)
+
+
 IDENTITY = ("norm_eps", "rope_theta", "tie_embeddings", "sliding_window", "layer_types", "attn_sinks")
 """DecoderArgs fields that change what a model computes, or which weights it shares, without
 changing any parameter's shape (shapes are compared apart): saved with other values, a
@@ -206,6 +224,35 @@ def _read(states: dict[str, Any], path: Path) -> None:
         raise _ReadError(_reason(e).split(". ")[0]) from None  # torch's advice after the first sentence
 
 
+def check_model_only(path: Path, model: ModelState, spec: ModelSpec, args: Any,
+                     transform: Callable[[nn.Module], None] | None = None) -> Metadata:
+    """check_saved_model of `path` against the weights `model` loads (this rank's)."""
+    meta = read_metadata(path)
+    mine = {k: v.shape for k, v in model.state_dict().items()}
+    check_saved_model(path, read_info(path), meta, spec, args, mine, model_shapes(spec, args, transform))
+    return meta
+
+
+def load_initial(parts: list[nn.Module], path: Path, fmt: str, spec: ModelSpec, args: Any,
+                 model: ModelState | None = None) -> list[str]:
+    """checkpoint.initial_load_path into the parts, seeded before (a run's on its ranks, or one
+    process's whole model): a titanlite checkpoint (dcp) checked as a resume checks it, or a
+    transformers folder checked against `args`. `model`: the weights it loads (default: all of
+    the parts'). Returns the names a transformers folder left to their initial values."""
+    if fmt == "dcp":
+        model = model if model is not None else ModelState(parts)
+        check_model_only(path, model, spec, args)
+        try:
+            _read({"model": model}, path)
+        except _ReadError as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {path} failed to load ({e})") from None
+        return []
+    if spec.hf is None:
+        raise ConfigError(f"checkpoint.initial_load_format hf: model '{spec.name}' has no Hugging Face adapter")
+    check_hf_config(spec.hf, path, args)
+    return load_hf_weights(parts, path, spec.hf, args, model_shapes(spec, args))
+
+
 # ---- the manager -------------------------------------------------------------------
 
 class CheckpointManager:
@@ -327,32 +374,17 @@ class CheckpointManager:
 
     def _check_saved(self, path: Path, model: ModelState) -> Metadata:
         """The preflight's check_saved_model again, on the ranks: the last line of defence."""
-        meta = read_metadata(path)
-        mine = {k: v.shape for k, v in model.state_dict().items()}
         transform = None if self.transformed is None else self.transformed.apply
-        check_saved_model(path, read_info(path), meta, self.spec, self.args, mine,
-                          model_shapes(self.spec, self.args, transform))
-        return meta
+        return check_model_only(path, model, self.spec, self.args, transform)
 
     def _load_model_only(self, path: Path) -> None:
         self._check_saved(path, self.initial)
         _read({"model": self.initial}, path)
 
     def _initial_load(self, path: Path, fmt: str) -> None:
-        if fmt == "dcp":
-            try:
-                self._load_model_only(path)
-            except _ReadError as e:
-                raise ConfigError(f"checkpoint.initial_load_path: {path} failed to load ({e})") from None
-        else:
-            adapter = self.spec.hf
-            if adapter is None:
-                raise ConfigError(f"checkpoint.initial_load_format hf: model '{self.spec.name}' has no "
-                                  "Hugging Face adapter")
-            check_hf_config(adapter, path, self.args)
-            fresh = load_hf_weights(self.parts, path, adapter, self.args, model_shapes(self.spec, self.args))
-            if fresh and self.rank == 0:
-                print(fresh_line(fresh, path), flush=True)
+        fresh = load_initial(self.parts, path, fmt, self.spec, self.args, self.initial)
+        if fresh and self.rank == 0:
+            print(fresh_line(fresh, path), flush=True)
         if self.rank == 0:
             print(f"titanlite: initial weights from {path} ({fmt})", flush=True)
 
@@ -391,8 +423,6 @@ class CheckpointManager:
     def maybe_save(self, step: int, force: bool = False) -> None:
         """Call after every optimizer step; saves when `step` is due (always the final step) or `force`d (a stop)."""
         self._finish_pending(block=False)
-        if step == self.final_step and self.transformed is not None and self.transformed.final is not None:
-            self.transformed.final(self.parts)
         if not self.cfg.enable:
             return
         self.train_state.step = step
@@ -400,12 +430,8 @@ class CheckpointManager:
         self.train_state.tokens_seen = self._loaded_tokens + done * self.seq_len
         self.data.samples_seen = self._loaded_samples + done
         self.states |= {k: v for k, v in self.optional.items() if v}  # other checkpoints stay as they were
-        if merge := self.optional.get("merge"):  # checkpoint.merge_last (titanlite.checkpoint.merge)
-            merge.add(step)
         if self.due(step) or force:
             self._save(step)
-        if step == self.final_step and self.cfg.export_dtype:
-            self._export(step, getattr(torch, self.cfg.export_dtype))
 
     def _save(self, step: int) -> None:
         self._finish_pending(block=True)  # one save in flight at a time
@@ -441,7 +467,8 @@ class CheckpointManager:
                            "job.dump_folder, then restart to resume")
         _warn(f"{msg}; training continues (checkpoint.on_save_error = continue)")
 
-    def _export(self, step: int, dtype: torch.dtype) -> None:
+    def export(self, step: int, dtype: torch.dtype) -> None:
+        """The model alone in `dtype`, as export-step-N (checkpoint.export_dtype); call from every rank."""
         sd = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
         tmp, final = self.root / f"export-step-{step}.tmp", self.root / f"export-step-{step}"
         dcp.save({"model": sd}, checkpoint_id=str(tmp))

@@ -1,8 +1,9 @@
 """Checkpoint merging: the average of several checkpoints' weights, in fp32.
 
 Offline (titanlite.tools.merge): `average` reads one tensor at a time from every checkpoint
-through DCP and `write_lazily` writes each average as DCP's writer asks for it, so a host holds
-about one tensor (its fp32 sum and one checkpoint's copy), never a model. In a run
+through DCP (a LoRA run's as the model it defines: `Member`) and `write_lazily` writes each
+average as DCP's writer asks for it, so a host holds about one tensor (its fp32 sum and one
+checkpoint's copy), never a model. In a run
 (checkpoint.merge_last = N): `ModelMerge` sums the weights of the last N steps before each
 scheduled save, sharded like the weights, and writes their average into that checkpoint's folder
 (step-K/merged, a model-only checkpoint); a save between (a stop) keeps the partial sum in the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from titanlite.checkpoint.dcp import IDENTITY, INFO
+from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.state import ModelState
 from titanlite.config.job import Checkpoint
 from titanlite.errors import ConfigError
-
-INFO = "titanlite.json"  # as titanlite.checkpoint.dcp writes it
 
 
 def model_entries(path: Path) -> dict[str, TensorStorageMetadata]:
@@ -54,13 +56,46 @@ def read_tensor(path: Path, name: str, entry: TensorStorageMetadata) -> torch.Te
     return out
 
 
-def average(paths: Sequence[Path], name: str, entries: Sequence[dict[str, TensorStorageMetadata]],
-            weights: Sequence[float]) -> torch.Tensor:
-    """The fp32 weighted average of tensor `name` over the checkpoints: sum(w_i x t_i) / sum(w_i),
-    summed in the order given; one checkpoint's copy in memory at a time."""
-    total = torch.zeros(entries[0][name].size, dtype=torch.float32)
-    for path, entry, w in zip(paths, entries, weights):
-        total.add_(read_tensor(path, name, entry[name]).float(), alpha=w)
+@dataclass(frozen=True)
+class Member:
+    """One checkpoint as the model it defines, read one tensor at a time: a checkpoint's own
+    tensors, or for a LoRA run's checkpoint (titanlite.json "transform") each base weight plus
+    scale B A in fp32 and the modules it trains whole as saved: what convert dcp hf exports
+    (titanlite.checkpoint.peft.merge, the same operations), never its A and B apart."""
+
+    path: Path
+    info: dict[str, Any]
+    entries: dict[str, TensorStorageMetadata]
+    """The checkpoint's own model tensors (a LoRA run's: what it trains)."""
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    """The model's tensors: size and dtype (a LoRA run's merged model: fp32, as convert's)."""
+    lora: LoRASetup | None = None
+    base: Callable[[str], torch.Tensor] | None = None
+    """A LoRA run's base weight by name (its checkpoint.initial_load_path, or its seed)."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if self.lora is None or name in self.entries:  # a plain checkpoint's, or a module trained whole
+            return read_tensor(self.path, name, self.entries[name])
+        weight = self.base(name).float()
+        layer = name.removesuffix(".weight")
+        if name.endswith(".weight") and layer in self.lora.targets:
+            a = read_tensor(self.path, f"{layer}.lora_A.weight", self.entries[f"{layer}.lora_A.weight"]).float()
+            b = read_tensor(self.path, f"{layer}.lora_B.weight", self.entries[f"{layer}.lora_B.weight"]).float()
+            weight = weight + (b @ a) * self.lora.scale
+        return weight
+
+
+def plain_member(path: Path, info: dict[str, Any]) -> Member:
+    entries = model_entries(path)
+    return Member(path, info, entries, {k: (e.size, e.properties.dtype) for k, e in entries.items()})
+
+
+def average(members: Sequence[Member], name: str, weights: Sequence[float]) -> torch.Tensor:
+    """The fp32 weighted average of tensor `name` of the checkpoints' models: sum(w_i x t_i) /
+    sum(w_i), summed in the order given; one checkpoint's copy in memory at a time."""
+    total = torch.zeros(members[0].shapes[name][0], dtype=torch.float32)
+    for member, w in zip(members, weights):
+        total.add_(member.tensor(name).float(), alpha=w)
     return total / sum(weights)
 
 
@@ -153,35 +188,25 @@ class ModelMerge:
                     s.copy_(sd["sums"][k])
 
 
-def check_mergeable(paths: Sequence[Path], infos: Sequence[dict[str, Any]],
-                    entries: Sequence[dict[str, TensorStorageMetadata]]) -> None:
-    """Refuse, in one line, checkpoints of different models: family, model args, names or shapes."""
-    first = paths[0]
-    for path, info, entry in zip(paths[1:], infos[1:], entries[1:]):
-        if info.get("model") != infos[0].get("model"):
-            raise ConfigError(f"{path} holds a '{info.get('model')}' model, {first} a '{infos[0].get('model')}' one; "
-                              "merge checkpoints of one model")
-        differ = sorted(k for k in {**info.get("args", {}), **infos[0].get("args", {})}
-                        if info.get("args", {}).get(k) != infos[0].get("args", {}).get(k))
+def check_mergeable(members: Sequence[Member]) -> None:
+    """Refuse, in one line, checkpoints of different models as a resume would (family, the
+    IDENTITY args, tensor names and shapes); a training knob such as max_seq_len may differ."""
+    first, info0 = members[0].path, members[0].info
+    for m in members[1:]:
+        if m.info.get("model") != info0.get("model"):
+            raise ConfigError(f"{m.path} holds a '{m.info.get('model')}' model, {first} a '{info0.get('model')}' "
+                              "one; merge checkpoints of one model")
+        mine, theirs = m.info.get("args", {}), info0.get("args", {})
+        differ = [k for k in IDENTITY if mine.get(k) != theirs.get(k)]
         if differ:
-            raise ConfigError(f"{path} and {first} are models with different {differ[0]} ({info['args'].get(differ[0])!r} "
-                              f"vs {infos[0]['args'].get(differ[0])!r}); merge checkpoints of one model")
-        for name in sorted(entry.keys() | entries[0].keys()):
-            a, b = entry.get(name), entries[0].get(name)
-            if a is None or b is None or a.size != b.size:
-                raise ConfigError(f"{path}: '{name}' is {'absent' if a is None else tuple(a.size)} but "
-                                  f"{'absent' if b is None else tuple(b.size)} in {first}; merge checkpoints of "
+            raise ConfigError(f"{m.path} and {first} are models with different {differ[0]} ({mine.get(differ[0])!r} "
+                              f"vs {theirs.get(differ[0])!r}); merge checkpoints of one model")
+        for name in sorted(m.shapes.keys() | members[0].shapes.keys()):
+            a, b = m.shapes.get(name), members[0].shapes.get(name)
+            if a is None or b is None or a[0] != b[0]:
+                raise ConfigError(f"{m.path}: '{name}' is {'absent' if a is None else tuple(a[0])} but "
+                                  f"{'absent' if b is None else tuple(b[0])} in {first}; merge checkpoints of "
                                   "one model")
-
-
-def read_infos(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    infos = []
-    for path in paths:
-        try:
-            infos.append(json.loads((Path(path) / INFO).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
-    return infos
 
 
 def merged_info(infos: Sequence[dict[str, Any]], paths: Sequence[Path], weights: Sequence[float]) -> dict[str, Any]:

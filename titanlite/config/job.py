@@ -284,9 +284,12 @@ class FaultTolerance:
     rerun_on_nonfinite: bool = False
     """With max_restarts (and run_train.sh's launcher): a step stopped as non-finite
     (training.on_nonfinite = stop) is rerun by the restarted attempt, from the newest checkpoint
-    with the same data and weights. Non-finite again: the data or the model; the run stops with
-    one line and spends no more restarts. Finite: it was transient, a suspected hardware fault,
-    recorded with its rank and host in <dump_folder>/restarts.jsonl, and the run trains on."""
+    with the same weights and its data on other ranks (the data-parallel order shifted by one),
+    each rank watching where a non-finite value first appears. Non-finite again on the same
+    ranks: their machines'; on the ranks now holding the data: the data's or the model's; the
+    run stops with one line and spends no more restarts. Finite: it was transient, a suspected
+    hardware fault. Either fault is recorded with its ranks and hosts in
+    <dump_folder>/restarts.jsonl. On a GPU it needs training.deterministic."""
 
 
 @dataclass(frozen=True)

@@ -318,8 +318,9 @@ def _check_lora(cfg: JobConfig) -> None:
              "its base weights come from checkpoint.initial_load_path or the seed"),
             # averaging A and B apart is not averaging B @ A, and the sum would hold the frozen base too
             ("checkpoint.merge_last", cfg.checkpoint.merge_last > 0, "the mean of the adapters' A and B is not the "
-                                                                     "adapter of the mean; merge exported models "
-                                                                     "offline (python -m titanlite.tools.merge)")]:
+                                                                     "adapter of the mean; merge the run's checkpoints "
+                                                                     "offline (python -m titanlite.tools.merge CKPT "
+                                                                     "... OUT: each is its base + scale B A)")]:
         if on and lo.rank:
             raise ConfigError(f"{key} with lora.rank {lo.rank}: {why}; set {key} off or lora.rank 0")
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.data import Data, Validation
@@ -196,13 +196,14 @@ class GlobalBatchSampler:
         return (self.position(self.schedule.samples_before(first)),
                 self.position(self.schedule.samples_before(last + 1) - 1) + 1)
 
-    def micro_batches(self, n: int, part: int = 0, parts: int = 1) -> list[list]:
-        """This rank's micro-batches of the n-th step read (0-based), the step's rows split into
-        `parts` equal shares (the replica groups of a quorum), this rank's group holding `part`."""
+    def micro_batches(self, n: int, part: int = 0, parts: int = 1, dp_rank: int | None = None) -> list[list]:
+        """This rank's (or data-parallel rank `dp_rank`'s) micro-batches of the n-th step read
+        (0-based), the step's rows split into `parts` equal shares (the replica groups of a
+        quorum), this rank's group holding `part`."""
         p = self.schedule.phase(n + 1)
         share = p.samples * p.pieces // parts
         rows = share // self.dp_degree
-        first = part * share + self.dp_rank * rows
+        first = part * share + (self.dp_rank if dp_rank is None else dp_rank) * rows
         start = self.schedule.samples_before(n + 1)
         def item(j: int):  # row j of the step
             sample = self.position(start + j // p.pieces)
@@ -339,3 +340,11 @@ def build_dataloader(cfg: Data, tokenizer: Tokenizer, *, seq_len: int, global_ba
         return StatefulDataLoader(dataset, batch_sampler=sampler,
                                   num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
                                   generator=torch.Generator().manual_seed(max(cfg.seed, 0)))
+
+
+def batches_of(loader: StatefulDataLoader, step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Data-parallel rank `dp_rank`'s micro-batches of `step` (1-based), read apart from the
+    loader's order (fault_tolerance.rerun_on_nonfinite reruns a step with each rank's data on
+    another rank)."""
+    return [default_collate([loader.dataset[g] for g in rows])
+            for rows in loader.batch_sampler.micro_batches(step - 1, dp_rank=dp_rank)]

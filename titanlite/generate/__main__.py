@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from titanlite.errors import ConfigError
 from titanlite.generate import Sampling, generate
-from titanlite.generate.load import check_tp_degree, eos_ids, load_model, load_tokenizer, saved_args
+from titanlite.generate.load import check_tp_degree, eos_ids, load_model, load_tokenizer, read_model_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_prompts(a)
         tokenizer, name = load_tokenizer(a.tokenizer, path, a.format)
         ids = encode(tokenizer, name, prompts, a.chat)
-        check_prompts(ids, saved_args(path, a.format, a.model)[1], name, a.tp)  # before the ranks start
+        check_prompts(ids, read_model_args(path, a.format, a.model)[1], name, a.tp)  # before the ranks start
         device = start_ranks(a.tp, a.device)
         model, _, _ = load_model(path, a.format, a.model, device, getattr(torch, a.dtype) if a.dtype else None, a.tp)
         pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id

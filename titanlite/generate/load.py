@@ -16,13 +16,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 import titanlite
+from titanlite.checkpoint import dcp
 from titanlite.checkpoint.dcp import INFO, read_info
 from titanlite.checkpoint.hf import read_config
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
 from titanlite.model_spec import ModelSpec, get_model_spec
 from titanlite.parallel.tensor import apply_tp, between_layout, check_decoder_tp
-from titanlite.saved_model import read_dcp, rebuild_args
+from titanlite.saved_model import read_dcp
 
 NATIVE = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss",
           "deepseek_v3": "deepseek_v3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
@@ -66,7 +67,7 @@ def load_model(path: str | Path, fmt: str = "dcp", name: str = "", device: str |
     model_type). The RoPE tables cover the model's own context, not the one it was trained at.
     `tp` > 1: split over that many ranks of the launched process group (`shard`)."""
     path = Path(path)
-    spec, args = saved_args(path, fmt, name)
+    spec, args = read_model_args(path, fmt, name)
     check_tp_degree(args, tp)
     if fmt == "hf":
         model, args = titanlite.load_hf(path, spec.name)
@@ -87,7 +88,7 @@ def load_model(path: str | Path, fmt: str = "dcp", name: str = "", device: str |
     return model, spec, args
 
 
-def saved_args(path: Path, fmt: str, name: str = "") -> tuple[ModelSpec, Any]:
+def read_model_args(path: Path, fmt: str, name: str = "") -> tuple[ModelSpec, Any]:
     """The family and args a checkpoint folder records, read before any weight."""
     check_folder(path, fmt)
     if fmt == "hf":
@@ -95,7 +96,7 @@ def saved_args(path: Path, fmt: str, name: str = "") -> tuple[ModelSpec, Any]:
         return spec, spec.hf.args_from_hf(read_config(path))
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    return spec, rebuild_args(list(spec.flavors.values()), info["args"])
+    return spec, dcp.saved_args(list(spec.flavors.values()), info["args"])
 
 
 def check_tp_degree(args: Any, tp: int) -> None:

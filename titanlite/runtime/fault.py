@@ -26,7 +26,10 @@ NaN, `hang` blocks the rank before the step's collectives, `kill` SIGKILLs the r
 comm.init_timeout_s (a save slower than set-up may take), `spike` multiplies the loss by
 SPIKE_FACTOR (finite: the spike detector must find it as it would a real one), `slow` sleeps
 SLOW_S in the rank's step from that step on, before its votes (a straggler), `term` sends the
-rank SIGTERM at the start of the step (a preemption that lands in a known step). A fault fires once
+rank SIGTERM at the start of the step (a preemption that lands in a known step); under
+Guard.watch, `nanact` makes the output of the rank's first block NaN (its activations, say on
+pipeline stage 0) and `nangrad` the gradient into its last block's output (backward only: the
+loss stays finite). A fault fires once
 per run: not again in an attempt that torchrun restarted (titanlite.runtime.restart), nor after
 a spike rollback; with `/every` it fires once in every attempt (a fault that is the data's, not
 the machine's: fault_tolerance.rerun_on_nonfinite must find it again).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import signal
 import threading
@@ -47,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from titanlite.config.job import Comm, Training
 from titanlite.errors import RunError
@@ -62,7 +67,7 @@ HANG_EXIT_CODE = 124  # as timeout(1): the run was stopped for taking too long
 HANG_EXIT_GRACE_S = 5.0
 
 
-FAULT_KINDS = ("nan", "hang", "kill", "slowsave", "spike", "slow", "term")
+FAULT_KINDS = ("nan", "nanact", "nangrad", "hang", "kill", "slowsave", "spike", "slow", "term")
 SPIKE_FACTOR = 1000.0
 SLOW_S = 0.5
 
@@ -251,6 +256,9 @@ class Guard:
         self._slow = min((f for f in self.faults if f[0] == "slow" and f[2] in (None, rank)), key=lambda f: f[1],
                          default=None)
         self._own: torch.Tensor | None = None
+        self._blocks: list[int] = []  # this rank's blocks, by whole-model index (Guard.watch)
+        self._n = 0
+        self._where: torch.Tensor | None = None
         self._step_start = time.perf_counter()
         self._host_s = 0.0
         self._events: list[torch.cuda.Event] = []
@@ -265,6 +273,7 @@ class Guard:
     def start_step(self, step: int) -> None:
         """Arm the watchdog for this step: this process's first also covers compilation and warm-up."""
         self.watchdog.step = step
+        self._where = None
         self._step_start = time.perf_counter()
         # on a GPU the host runs ahead of the device: time the step with the stream's own events
         self._events = [torch.cuda.Event(enable_timing=True)] if torch.cuda.is_initialized() else []
@@ -297,7 +306,44 @@ class Guard:
             self._events[-1].record()
         votes = [self.vote.vote(loss_sum.device), (~torch.isfinite(loss_sum)).float()]
         self._own = votes[1]  # which rank it was, should the run stop on it
-        return torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
+        votes = torch.stack(votes if self.verdict.window is None else [*votes, loss_share])
+        if not self._n:
+            return votes
+        self._mark(self._n, loss_sum)
+        return torch.cat([votes, self._where])
+
+    def watch(self, blocks: dict[str, nn.Module], n_blocks: int) -> None:
+        """Find where a non-finite value first appears (fault_tolerance.rerun_on_nonfinite), so
+        that the rank named is its origin, not a later pipeline stage it flowed into nor a rank
+        its reduced gradients reached: this rank's `blocks` (by whole-model index, of
+        `n_blocks`) flag a non-finite output (forward, in block order), then the loss, then a
+        non-finite gradient of a block's output (backward, in reverse order). The flags join
+        the step's votes; the first place flagged on any rank names the ranks that flagged it."""
+        self._blocks, self._n = sorted(int(k) for k in blocks), n_blocks
+        for name, block in blocks.items():
+            block.register_forward_hook(functools.partial(self._forward, int(name)))
+
+    def _mark(self, place: int, t: torch.Tensor) -> None:
+        if self._where is None:  # no sync: a device flag per place, read with the verdict
+            self._where = torch.zeros(2 * self._n + 1, device=t.device)
+        self._where[place] = torch.maximum(self._where[place], (~torch.isfinite(t).all()).float())
+
+    def _forward(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
+        out = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
+        if not isinstance(out, torch.Tensor):  # a block that returns no hidden state to watch
+            return None
+        if index == self._blocks[0] and torch.is_grad_enabled() and self._injected("nanact"):
+            out = out * float("nan")
+        self._mark(index, out)
+        if out.requires_grad:
+            out.register_hook(functools.partial(self._backward, index))
+        return out if isinstance(output, torch.Tensor) else (out, *output[1:])
+
+    def _backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        if index == self._blocks[-1] and self._injected("nangrad"):
+            grad = grad * float("nan")
+        self._mark(2 * self._n - index, grad)  # block n-1's first: backward runs in reverse
+        return grad
 
     @property
     def own_s(self) -> float:
@@ -311,8 +357,14 @@ class Guard:
         return self._events[0].elapsed_time(self._events[1]) / 1e3
 
     def decide(self, norm: torch.Tensor, votes: torch.Tensor, read_now: bool) -> torch.Tensor:
-        """The step's verdict from the global norm and the summed votes (StepVerdict)."""
-        return self.verdict(self.step, norm, votes, read_now, self._own)
+        """The step's verdict from the global norm and the summed votes (StepVerdict); under
+        `watch`, this rank's own vote is whether it flagged the first place any rank flagged."""
+        own = self._own
+        if self._n:
+            votes, flagged = votes[:-len(self._where)], votes[-len(self._where):]
+            first = (flagged > 0).float().argmax()  # the first maximum: the earliest place
+            own = ((flagged[first] > 0) & (self._where[first] > 0)).float()
+        return self.verdict(self.step, norm, votes, read_now, own)
 
     def rolled_back(self, step: int) -> None:
         """The run went back to `step` (a spike rollback; the verdicts were read, StepVerdict.flush):

@@ -105,17 +105,19 @@ class Restart:
         step = next((r["nonfinite"]["step"] for r in reports.values() if r.get("nonfinite")), None)
         return cls(k, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), rank, cause, step, bool(mine.get("own")))
 
-    def line(self, resumed_from: int, heals: bool, rerun: bool) -> str:
+    def line(self, resumed_from: int, heals: bool, rerun: Rerun | None) -> str:
         """The restart's one line, said once the attempt has resumed."""
         start = f"step {resumed_from}" if resumed_from else "step 0 (no checkpoint was complete)"
         return (f"titanlite: {self.cause}; restart {self.k} of at most {self.limit}, resuming from {start}"
                 + (", then healing from a live replica group" if heals else "")
-                + (f", to rerun step {self.nonfinite_step} with the same data (fault_tolerance.rerun_on_nonfinite)"
-                   if rerun and self.nonfinite_step else ""))
+                + (f", to rerun step {self.nonfinite_step} {rerun.how} (fault_tolerance.rerun_on_nonfinite)"
+                   if rerun is not None and self.nonfinite_step else ""))
 
-    def rerun(self, dump_folder: str) -> Rerun | None:
-        """The rerun of the step attempt k - 1 stopped at as non-finite, if it did."""
-        return None if self.nonfinite_step is None else Rerun(self.nonfinite_step, self.nonfinite_here, dump_folder)
+    def rerun(self, dump_folder: str, moved: bool) -> Rerun | None:
+        """The rerun of the step attempt k - 1 stopped at as non-finite, if it did; `moved`: its
+        data goes to other ranks (more than one data-parallel rank)."""
+        return (None if self.nonfinite_step is None else
+                Rerun(self.nonfinite_step, self.nonfinite_here, dump_folder, moved))
 
     def record(self, dump_folder: str, resumed_from: int, tensorboard: Any | None) -> None:
         """Rank 0: the restart's restarts.jsonl row and the train/restarts scalar (at the step it
@@ -140,20 +142,56 @@ class Rerun:
     here: bool
     """This rank's loss was the non-finite one last time."""
     dump_folder: str
+    moved: bool = False
+    """The rerun's data is on other ranks (the data-parallel order shifted by one)."""
+
+    @property
+    def how(self) -> str:
+        return "with its data on other ranks" if self.moved else "with the same data"
+
+    def _who(self, now: bool = False) -> list[tuple[bool, bool, str]]:
+        who: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(who, (self.here, now, socket.gethostname()))
+        return who
+
+    def again(self, now: bool) -> tuple[str, str]:
+        """Collective: the step is non-finite again; `now`: on this rank first. (Why, what to do):
+        a value that stayed with its ranks although their data moved is those machines' (a
+        restarts.jsonl row names them with their hosts); one that followed the data, the data's
+        or the model's; without a move (one data-parallel rank) neither can be told."""
+        who = self._who(now)
+        before, after = [r for r, w in enumerate(who) if w[0]], [r for r, w in enumerate(who) if w[1]]
+        where = ", ".join(f"{r} ({who[r][2]})" for r in after) or "?"
+        tail = " no more restarts (fault_tolerance.rerun_on_nonfinite). "
+        if not (self.moved and before and after):
+            why = ("the rerun could not move its data (one data-parallel rank, or streamed data)" if not self.moved
+                   else "no rank could be named both times")
+            return (f"again on rank {where}, rerun after a restart {self.how} and the same weights, but {why}: the "
+                    "data's or the machine's, which this run cannot tell;" + tail,
+                    "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip")
+        if after == before:
+            hosts = sorted({who[r][2] for r in after})
+            if dist.get_rank() == 0:
+                _append(self.dump_folder, {"hardware_fault": True, "step": self.step, "ranks": after, "hosts": hosts})
+            return (f"again on rank {where}, rerun after a restart with the same weights and its data on other ranks: "
+                    "a fault of that machine, not of the data;" + tail,
+                    f"Run without {', '.join(hosts)} (recorded in {Path(self.dump_folder) / 'restarts.jsonl'})")
+        return (f"again, on rank {where} where the rerun moved its data (from rank {', '.join(map(str, before))}): "
+                "the data or the model, not the machine;" + tail,
+                "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip")
 
     def transient(self) -> None:
         """Collective (every rank reads the same verdict): the step is finite this time. Rank 0
         names the ranks and hosts it was non-finite on, in a warning and a restarts.jsonl row."""
-        who: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(who, (self.here, socket.gethostname()))
+        who = self._who()
         if dist.get_rank() != 0:
             return
-        ranks = [r for r, (here, _) in enumerate(who) if here]
-        hosts = sorted({who[r][1] for r in ranks})
-        where = ", ".join(f"{r} ({who[r][1]})" for r in ranks) or "?"
+        ranks = [r for r, w in enumerate(who) if w[0]]
+        hosts = sorted({who[r][2] for r in ranks})
+        where = ", ".join(f"{r} ({who[r][2]})" for r in ranks) or "?"
         _append(self.dump_folder, {"suspected_hardware_fault": True, "step": self.step, "ranks": ranks,
                                    "hosts": hosts})
-        print(f"titanlite: warning: step {self.step} is finite when rerun with the same data and weights: its "
+        print(f"titanlite: warning: step {self.step} is finite when rerun {self.how} and the same weights: its "
               f"non-finite result on rank {where} was transient, a suspected hardware fault (recorded in "
               f"{Path(self.dump_folder) / 'restarts.jsonl'}); training on", file=sys.stderr, flush=True)
 

@@ -123,11 +123,10 @@ class StepVerdict:
             what = (f"loss or gradient norm over training.spike_sigmas ({t.spike_sigmas:g}) standard deviations "
                     f"above the last {t.spike_window} steps' mean (training.on_spike = {t.on_spike})")
         elif self.training.on_nonfinite == "stop":
-            why = ("again, rerun after a restart with the same data and weights: the data or the model, not "
-                   "the machine; no more restarts (fault_tolerance.rerun_on_nonfinite). " if again else
-                   "(training.on_nonfinite = stop); no update was applied and the last checkpoint is kept. ")
-            raise NonFiniteStop(f"step {step}: non-finite {what} {why}Lower optimizer.lr, check the data, or set "
-                                "training.on_nonfinite = skip", step, what, bool(own), again)
+            why, fix = (self.rerun.again(bool(own)) if again else
+                        ("(training.on_nonfinite = stop); no update was applied and the last checkpoint is kept. ",
+                         "Lower optimizer.lr, check the data, or set training.on_nonfinite = skip"))
+            raise NonFiniteStop(f"step {step}: non-finite {what} {why}{fix}", step, what, bool(own), again)
         self.skip = step == now
         c.skipped += 1
         if c.skipped > self.training.max_skipped_steps:
