@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info, read_metadata,
-                                     resume_step)
+from titanlite.checkpoint.dcp import (INFO, check_run_kind, check_saved_model, complete_steps, model_shapes, read_info,
+                                     read_metadata, resume_step)
 from titanlite.checkpoint.lora import plan_lora
 from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
@@ -152,6 +152,8 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
     holds what trains, and its base weights load from the initial weights on every start."""
     root = Path(dump_folder) / cfg.folder
     step = resume_step(cfg, root, warn=False) if cfg.enable else None
+    if step is not None:
+        check_run_kind(root / f"step-{step}", read_info(root / f"step-{step}"), lora is not None)
     if step is not None and lora is not None:
         with torch.device("meta"):
             model = spec.build(args)

@@ -87,6 +87,18 @@ def model_shapes(spec: ModelSpec, args: Any, transform: Callable[[nn.Module], No
         return {k: v.shape for k, v in get_model_state_dict(model).items()}
 
 
+def check_run_kind(path: Path, info: dict[str, Any], lora: bool) -> None:
+    """Refuse, in one line, to resume a LoRA run's checkpoint in a run that trains every weight or the
+    reverse: their checkpoints hold other parameters, and a shape check would name a missing one
+    without saying that a resume into a folder of another kind of run caused it."""
+    saved = "lora" in info.get("transform", {})
+    if saved != lora:
+        kinds = ("LoRA run (it holds the adapters only)", "run that trains every weight")
+        raise ConfigError(f"resuming {path}: it is a checkpoint of a {kinds[not saved]}, and this run is a "
+                          f"{kinds[not lora].split(' (')[0]}; give this run its own job.dump_folder (or "
+                          "checkpoint.folder), or resume it with the lora settings it was saved with")
+
+
 def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: ModelSpec, args: Any,
                       mine: dict[str, torch.Size], whole: dict[str, torch.Size]) -> None:
     """Refuse, in one line, a checkpoint of another model: another family, other IDENTITY args,
@@ -305,6 +317,7 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
+        check_run_kind(path, read_info(path), self.transformed is not None)
         meta = self._check_saved(path, self.states["model"])
         saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
         for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):
