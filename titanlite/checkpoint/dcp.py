@@ -20,7 +20,8 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -131,12 +132,23 @@ def saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
 
 
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """dcp.load and dcp.save with no_dist=True, without the warning torch gives even when asked for
+    one process ("assuming the intent is to ... in a single process"): it is the intent, and a
+    converter's user would read it as something gone wrong."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def load_tensors(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` as a full CPU tensor, in one process (no process group)."""
     meta = read_metadata(Path(path))
     template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    with single_process():
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
     return {k[len(prefix):]: v for k, v in template.items()}
 
 
@@ -144,7 +156,8 @@ def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor]
     """A model-only checkpoint from full tensors in one process (converters, seed files)."""
     tmp = Path(f"{path}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
+    with single_process():
+        dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
     _commit(tmp, Path(path), {"model": spec_name, "args": dataclasses.asdict(args), "model_only": True})
 
 
