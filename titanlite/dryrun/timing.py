@@ -156,7 +156,7 @@ class Unit:
 @dataclass(frozen=True)
 class Work:
     """What one rank's traced step computes and sends, at the model's depth, in a form any GPU
-    and any factors time (titanlite.dryrun.steptrace.Trace, compacted)."""
+    and any factors time (titanlite.dryrun.replay.Trace, compacted)."""
 
     ops: array
     comms: tuple
