@@ -38,20 +38,30 @@ from titanlite.preflight import preflight
 SLOW = os.environ.get("TITANLITE_DOCS_SLOW") == "1"
 CHEAP = {"debug_model.toml", "llama3_100m.toml", "qwen3_debug.toml", "llama_1b.toml", "llama_3b.toml",
          "llama_8b.toml", "qwen3_0.6b.toml", "qwen3_8b.toml"}
-# the walk-throughs: a doc's every runnable fenced command, or the block holding the anchor command
+# the walk-throughs: a doc's every runnable command, or the fenced block holding the anchor command
 WALKS = {"README.md": "cp -r models/llama3 models/my_llama", "docs/post_training.md": None}
 WALK_STEPS = re.compile(r"\bstep-(100|120|40)\b")  # the step folders the walk-throughs' full runs write
 
-# (doc, the command as the doc gives it, figures the doc gives beside it, checked against its output)
+# (doc, the command as the doc gives it, the figures it gives beside it): checked against what the command prints
 FIGURES = [
-    ("train_configs/llama_1b.toml", "python -m titanlite.dryrun --config llama_1b.toml --ngpu 8", ["40,696", "33.5 GiB"]),
-    ("train_configs/llama_3b.toml", "python -m titanlite.dryrun --config llama_3b.toml --ngpu 8", ["16,613", "32.9 GiB"]),
-    ("train_configs/llama_8b.toml", "python -m titanlite.dryrun --config llama_8b.toml --ngpu 8", ["7,190", "20.8 GiB"]),
-    ("train_configs/qwen3_0.6b.toml", "python -m titanlite.dryrun --config qwen3_0.6b.toml --ngpu 8", []),
-    ("train_configs/qwen3_8b.toml", "python -m titanlite.dryrun --config qwen3_8b.toml --ngpu 8", []),
+    ("train_configs/llama_1b.toml", "python -m titanlite.dryrun --config llama_1b.toml --ngpu 8", ["40,696", "33.5"]),
+    ("train_configs/llama_3b.toml", "python -m titanlite.dryrun --config llama_3b.toml --ngpu 8", ["16,613", "32.9"]),
+    ("train_configs/llama_8b.toml", "python -m titanlite.dryrun --config llama_8b.toml --ngpu 8", ["7,190", "20.8"]),
+    ("train_configs/qwen3_0.6b.toml", "python -m titanlite.dryrun --config qwen3_0.6b.toml --ngpu 8",
+     ["58,943", "47,415", "27.8"]),
+    ("train_configs/qwen3_8b.toml", "python -m titanlite.dryrun --config qwen3_8b.toml --ngpu 8", ["9,129", "7,936", "45.5"]),
 ]
+# the same for the planner's searches and the 405B dry run (`./run_train.sh --print-plan` runs titanlite.plan)
 SLOW_FIGURES = [
-    ("README.md", "python -m titanlite.dryrun --config llama_405b.toml --ngpu 512 --gpu h100", ["127 tokens/s/GPU", "61.0"]),
+    ("train_configs/llama_405b.toml", "python -m titanlite.dryrun --config llama_405b.toml --ngpu 512", ["127", "61.0"]),
+    ("train_configs/llama_405b.toml", "python -m titanlite.plan --config llama_405b.toml --ngpu 512", ["153.8", "24.5"]),
+    ("train_configs/llama_1b.toml", "NGPU=8 ./run_train.sh --config llama_1b.toml --print-plan", ["37,607.7", "24.5"]),
+    ("train_configs/llama_3b.toml", "NGPU=8 ./run_train.sh --config llama_3b.toml --print-plan", ["15,347.6", "24.6"]),
+    ("train_configs/llama_8b.toml", "NGPU=8 ./run_train.sh --config llama_8b.toml --print-plan",
+     ["8,936.5", "59.3", "8,363.1", "43.3"]),
+    ("train_configs/qwen3_0.6b.toml", "NGPU=8 ./run_train.sh --config qwen3_0.6b.toml --print-plan", ["56,023.7", "24.3"]),
+    ("train_configs/qwen3_8b.toml", "NGPU=8 ./run_train.sh --config qwen3_8b.toml --print-plan",
+     ["9,922.7", "51.5", "9,128.8"]),
 ]
 
 
@@ -70,10 +80,11 @@ def _with_config(args: list[str]) -> list[str]:
 
 
 def _in_walk(cmd: Command) -> bool:
-    if cmd.source not in WALKS or cmd.block is None or cmd.synopsis or cmd.why is not None:
+    if cmd.source not in WALKS or cmd.synopsis or cmd.why is not None:
         return False
-    anchor = WALKS[cmd.source]
-    return anchor is None or any(c.block == cmd.block and c.text == anchor for c in commands(cmd.source))
+    anchor = WALKS[cmd.source]  # a whole doc: its inline commands too, in their place
+    return anchor is None or cmd.block is not None and any(c.block == cmd.block and c.text == anchor
+                                                             for c in commands(cmd.source))
 
 
 def _ngpu(args: list[str]) -> int:
@@ -178,7 +189,8 @@ def test_predicted_figures_are_printed(doc, command, figures, capfd, tmp_path, m
 @pytest.mark.skipif(not SLOW, reason="minutes of CPU: TITANLITE_DOCS_SLOW=1 runs it")
 @pytest.mark.parametrize("doc,command,figures", SLOW_FIGURES, ids=[f[0] for f in SLOW_FIGURES])
 def test_slow_predicted_figures_are_printed(doc, command, figures, tmp_path):
-    proc = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=tmp_path, capture_output=True, text=True,
+    run = re.sub(r"NGPU=(\d+) \./run_train\.sh (.*) --print-plan", r"python -m titanlite.plan \2 --ngpu \1", command)
+    proc = subprocess.run([sys.executable, *shlex.split(run)[1:]], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     _figures_hold(doc, command, figures, proc.stdout)
@@ -198,7 +210,7 @@ def test_walkthroughs_run_in_their_own_order(tmp_path):
                     ignore=shutil.ignore_patterns(".git", "outputs", "__pycache__", "*.egg-info", ".pytest_cache"))
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONWARNINGS": "default"}
     for cmd in commands():
-        if how(cmd) is None or how(cmd)[0] != "walk":
+        if not _in_walk(cmd):
             continue
         text = _smoke(cmd.text)
         proc = subprocess.run(["bash", "-c", text], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
