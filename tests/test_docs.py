@@ -275,3 +275,20 @@ def test_named_modules_files_keys_and_dotted_names_exist():
         if not skip.search(name) and not _resolves(name.rstrip(".")):
             missing.append(f"{where}: dotted name {name}")
     assert not missing, "named in the docs but not there:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_a_resume_into_another_kind_of_run_says_so():
+    """docs/post_training.md's LoRA run once resumed the full fine-tuning's folder and named only a
+    missing adapter weight: the refusal now says a resume into another kind of run caused it."""
+    from titanlite.checkpoint.dcp import check_run_kind
+    from titanlite.errors import ConfigError
+
+    lora, full, path = {"transform": {"lora": {"rank": 8}, "base": ""}}, {"model": "llama3"}, Path("out/step-2")
+    check_run_kind(path, lora, True)
+    check_run_kind(path, full, False)
+    with pytest.raises(ConfigError, match=r"^resuming out/step-2: that checkpoint is a run's that trains every "
+                                          r"weight, and this run is a LoRA run; give this run its own job.dump_folder"):
+        check_run_kind(path, full, True)
+    with pytest.raises(ConfigError, match=r"is a LoRA run's \(it holds the adapters only\), and this run trains "
+                                          r"every weight \(lora.rank 0\)"):
+        check_run_kind(path, lora, False)

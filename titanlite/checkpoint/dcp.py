@@ -94,10 +94,11 @@ def check_run_kind(path: Path, info: dict[str, Any], lora: bool) -> None:
     without saying that a resume into a folder of another kind of run caused it."""
     saved = "lora" in info.get("transform", {})
     if saved != lora:
-        kinds = ("LoRA run (it holds the adapters only)", "run that trains every weight")
-        raise ConfigError(f"resuming {path}: it is a checkpoint of a {kinds[not saved]}, and this run is a "
-                          f"{kinds[not lora].split(' (')[0]}; give this run its own job.dump_folder (or "
-                          "checkpoint.folder), or resume it with the lora settings it was saved with")
+        theirs = "a LoRA run's (it holds the adapters only)" if saved else "a run's that trains every weight"
+        mine = "is a LoRA run" if lora else "trains every weight (lora.rank 0)"
+        raise ConfigError(f"resuming {path}: that checkpoint is {theirs}, and this run {mine}; give this run its "
+                          "own job.dump_folder (or checkpoint.folder), or resume it with the lora settings it was "
+                          "saved with")
 
 
 def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: ModelSpec, args: Any,
