@@ -331,7 +331,7 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
-        check_run_kind(path, read_info(path), self.transformed is not None)
+        check_run_kind(path, read_info(path), self.transformed is not None and "lora" in self.transformed.record)
         meta = self._check_saved(path, self.states["model"])
         saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
         for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):
