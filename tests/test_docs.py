@@ -280,7 +280,7 @@ def test_named_modules_files_keys_and_dotted_names_exist():
 def test_a_resume_into_another_kind_of_run_says_so():
     """docs/post_training.md's LoRA run once resumed the full fine-tuning's folder and named only a
     missing adapter weight: the refusal now says a resume into another kind of run caused it."""
-    from titanlite.checkpoint.dcp import check_run_kind
+    from titanlite.checkpoint.state import check_run_kind
     from titanlite.errors import ConfigError
 
     lora, full, path = {"transform": {"lora": {"rank": 8}, "base": ""}}, {"model": "llama3"}, Path("out/step-2")

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (INFO, check_run_kind, check_saved_model, complete_steps, model_shapes, read_info,
+from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info,
                                      read_metadata, resume_step)
 from titanlite.checkpoint.lora import plan_lora
+from titanlite.checkpoint.state import check_run_kind
 from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data import schedule as data_schedule

@@ -41,7 +41,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.checkpoint.hf import check_hf_config, fresh_line
 from titanlite.checkpoint.weights import check_shapes, load_hf_weights
 from titanlite.model_spec import ModelSpec
-from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState, check_run_kind,
                                         SkippedSamples, Transformed, TrainState)
 from titanlite.optim import Optimizers
 
@@ -86,19 +86,6 @@ def model_shapes(spec: ModelSpec, args: Any, transform: Callable[[nn.Module], No
         if transform is not None:
             transform(model)
         return {k: v.shape for k, v in get_model_state_dict(model).items()}
-
-
-def check_run_kind(path: Path, info: dict[str, Any], lora: bool) -> None:
-    """Refuse, in one line, to resume a LoRA run's checkpoint in a run that trains every weight or the
-    reverse: their checkpoints hold other parameters, and a shape check would name a missing one
-    without saying that a resume into a folder of another kind of run caused it."""
-    saved = "lora" in info.get("transform", {})
-    if saved != lora:
-        theirs = "a LoRA run's (it holds the adapters only)" if saved else "a run's that trains every weight"
-        mine = "is a LoRA run" if lora else "trains every weight (lora.rank 0)"
-        raise ConfigError(f"resuming {path}: that checkpoint is {theirs}, and this run {mine}; give this run its "
-                          "own job.dump_folder (or checkpoint.folder), or resume it with the lora settings it was "
-                          "saved with")
 
 
 def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: ModelSpec, args: Any,
