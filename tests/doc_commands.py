@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 START = re.compile(r"^(\./run_train\.sh|[A-Z_]+=\S* |python3? -m |python3? -c |python |pip |cp |sed |tensorboard |"
                    r"torchrun |torchft_lighthouse |sbatch |srun |export |for |done|nodes=)")
-PLACEHOLDER = re.compile(r"\[|\]|<|>|\{|\.\.\.|/path/to/|\bmy_(job|sft|model)\b|(?<![\w.=/-])(?:[A-Z][A-Z_]*[A-Z]|X|N|G|R)"
-                         r"(?![\w.=])")
+PLACEHOLDER = re.compile(r"\[|\]|<|>|\{|\.\.\.|/path/to/|\bmy_(job|sft|model)\b|"
+                         r"(?<![\w.=/-])(?:[A-Z][A-Z_]*[A-Z]|X|N|G|R)(?![\w.=])")
 MARK = re.compile(r"not run(?: \"([^\"]+)\")?: ([^>\n]+?)(?: -->|$)", re.M)
 
 

@@ -49,17 +49,21 @@ FIGURES = [
     ("train_configs/llama_8b.toml", "python -m titanlite.dryrun --config llama_8b.toml --ngpu 8", ["7,190", "20.8"]),
     ("train_configs/qwen3_0.6b.toml", "python -m titanlite.dryrun --config qwen3_0.6b.toml --ngpu 8",
      ["58,943", "47,415", "27.8"]),
-    ("train_configs/qwen3_8b.toml", "python -m titanlite.dryrun --config qwen3_8b.toml --ngpu 8", ["9,129", "7,936", "45.5"]),
+    ("train_configs/qwen3_8b.toml", "python -m titanlite.dryrun --config qwen3_8b.toml --ngpu 8",
+     ["9,129", "7,936", "45.5"]),
 ]
 # the same for the planner's searches and the 405B dry run (`./run_train.sh --print-plan` runs titanlite.plan)
 SLOW_FIGURES = [
-    ("train_configs/llama_405b.toml", "python -m titanlite.dryrun --config llama_405b.toml --ngpu 512", ["127", "61.0"]),
-    ("train_configs/llama_405b.toml", "python -m titanlite.plan --config llama_405b.toml --ngpu 512", ["153.8", "24.5"]),
+    ("train_configs/llama_405b.toml", "python -m titanlite.dryrun --config llama_405b.toml --ngpu 512",
+     ["127", "61.0"]),
+    ("train_configs/llama_405b.toml", "python -m titanlite.plan --config llama_405b.toml --ngpu 512",
+     ["153.8", "24.5"]),
     ("train_configs/llama_1b.toml", "NGPU=8 ./run_train.sh --config llama_1b.toml --print-plan", ["37,607.7", "24.5"]),
     ("train_configs/llama_3b.toml", "NGPU=8 ./run_train.sh --config llama_3b.toml --print-plan", ["15,347.6", "24.6"]),
     ("train_configs/llama_8b.toml", "NGPU=8 ./run_train.sh --config llama_8b.toml --print-plan",
      ["8,936.5", "59.3", "8,363.1", "43.3"]),
-    ("train_configs/qwen3_0.6b.toml", "NGPU=8 ./run_train.sh --config qwen3_0.6b.toml --print-plan", ["56,023.7", "24.3"]),
+    ("train_configs/qwen3_0.6b.toml", "NGPU=8 ./run_train.sh --config qwen3_0.6b.toml --print-plan",
+     ["56,023.7", "24.3"]),
     ("train_configs/qwen3_8b.toml", "NGPU=8 ./run_train.sh --config qwen3_8b.toml --print-plan",
      ["9,922.7", "51.5", "9,128.8"]),
 ]
@@ -110,9 +114,10 @@ def how(cmd: Command) -> tuple[str, list[str], int] | None:
         return "train", words[3:], world
     if words[:3] in (["python", "-m", "titanlite.dryrun"], ["python", "-m", "titanlite.plan"],
                      ["python", "-m", "titanlite.tools.estimate"]):
-        args = [a for a in words[3:]]
+        args = words[3:]
         config = args[args.index("--config") + 1] if "--config" in args else ""
-        rest = [a for i, a in enumerate(args) if a not in ("--ngpu", "--gpu") and args[i - 1] not in ("--ngpu", "--gpu")]
+        tool = ("--ngpu", "--gpu")  # the tool's own flags; the rest is the job's
+        rest = [a for i, a in enumerate(args) if a not in tool and args[i - 1] not in tool]
         if words[2] == "titanlite.dryrun" and config in CHEAP:
             return "dryrun", args, _ngpu(args)
         return "preflight", rest, _ngpu(args)
@@ -227,6 +232,17 @@ def _keys() -> dict[str, set[str]]:
             for f in dataclasses.fields(JobConfig)}
 
 
+def _runnable(mod: str) -> bool:
+    """`python -m mod` runs something: a package's __main__, or a module with a __main__ block (a
+    module without one exits 0 having printed nothing, as titanlite.dryrun.run once did)."""
+    spec = importlib.util.find_spec(mod)
+    if spec is None:
+        return False
+    if spec.submodule_search_locations is not None:
+        return importlib.util.find_spec(f"{mod}.__main__") is not None
+    return not mod.startswith("titanlite.") or '__name__ == "__main__"' in Path(spec.origin).read_text()
+
+
 def _resolves(dotted: str) -> bool:
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
@@ -249,8 +265,8 @@ def test_named_modules_files_keys_and_dotted_names_exist():
     texts = {str(p.relative_to(REPO)): p.read_text() for p in sources()}
     for cmd in commands():
         for mod in re.findall(r"-m ([\w.]*\w)(?![\w.<])", cmd.text):
-            if importlib.util.find_spec(mod.split(".")[0]) and not importlib.util.find_spec(mod):
-                missing.append(f"{cmd.source}: module {mod}")
+            if importlib.util.find_spec(mod.split(".")[0]) and not _runnable(mod):
+                missing.append(f"{cmd.source}: module {mod} (none, or it does nothing under -m)")
         for name in re.findall(r"--config (\S+\.toml)", cmd.text):
             if not (REPO / "train_configs" / name).is_file() and not (REPO / name).is_file() and not cmd.synopsis:
                 missing.append(f"{cmd.source}: config {name}")
@@ -260,8 +276,9 @@ def test_named_modules_files_keys_and_dotted_names_exist():
             # module or model module (`metrics.py`, `metrics.reduce_losses`, `model.layers`, `moe.shared`)
             flags = re.findall(r"--([a-z_]+)\.([a-z_0-9]+)\b", span)
             bare = re.findall(r"^([a-z_]+)\.([a-z_0-9]+)(?:$|[ =])", span)
-            for section, key in flags + [(s, k) for s, k in bare if s not in ("model", "moe") and not _resolves(f"titanlite.{s}.{k}")
-                                         and k not in ("py", "jsonl", "json", "pt", "md", "toml", "log")]:
+            bare = [(s, k) for s, k in bare if s not in ("model", "moe") and not _resolves(f"titanlite.{s}.{k}")
+                    and k not in ("py", "jsonl", "json", "pt", "md", "toml", "log")]
+            for section, key in flags + bare:
                 if section in keys and key not in keys[section]:
                     missing.append(f"{doc}: config key {section}.{key} (in `{span}`)")
             path = re.match(r"^((?:titanlite|docs|models|tests|tools|train_configs)/[\w./-]*[\w/])(?:#.*)?$", span)
