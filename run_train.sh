@@ -5,7 +5,11 @@
 # RDZV_ENDPOINT=host:port on every node (see docs/multinode.md).
 set -euo pipefail
 
-NGPU=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count() or 1)")}
+NO_GPU=0  # NGPU unset on a machine without CUDA: 1 rank, but the health check's own default (2 gloo ranks)
+if [[ -z "${NGPU:-}" ]]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+  if [[ "$NGPU" == 0 ]]; then NGPU=1 NO_GPU=1; fi
+fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 for var in NGPU NNODES; do
@@ -37,7 +41,9 @@ case " $* " in
   *" --healthcheck "*)
     rest=()
     for arg in "$@"; do [[ "$arg" == --healthcheck ]] || rest+=("$arg"); done
-    exec python -m titanlite.tools.healthcheck --ngpu "$NGPU" ${rest[@]+"${rest[@]}"} ;;
+    ngpu=(--ngpu "$NGPU")
+    if (( NO_GPU )); then ngpu=(); fi
+    exec python -m titanlite.tools.healthcheck ${ngpu[@]+"${ngpu[@]}"} ${rest[@]+"${rest[@]}"} ;;
 esac
 
 # --skip-preflight: launch without the dry run below (if it fails inside titanlite, it says so)

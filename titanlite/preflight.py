@@ -16,6 +16,7 @@ import torch.nn as nn
 from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info, read_metadata,
                                      resume_step)
 from titanlite.checkpoint.lora import setup_lora
+from titanlite.checkpoint.state import check_run_kind
 from titanlite.checkpoint.weights import check_shapes
 from titanlite.config.job import Checkpoint, JobConfig, Training
 from titanlite.data import schedule as data_schedule
@@ -157,6 +158,8 @@ def check_checkpoint(cfg: Checkpoint, dump_folder: str, spec: ModelSpec, args: A
     holds what trains, and its base weights load from the initial weights on every start."""
     root = Path(dump_folder) / cfg.folder
     step = resume_step(cfg, root, warn=False) if cfg.enable else None
+    if step is not None:
+        check_run_kind(root / f"step-{step}", read_info(root / f"step-{step}"), lora is not None)
     if step is not None and lora is not None:
         with torch.device("meta"):
             model = spec.build(args)

@@ -123,6 +123,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="*", default=[8192, 32768])
     parser.add_argument("--out", default="gpu_attention.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("titanlite: error: gpu_attention needs a CUDA GPU (none found); the CPU's attention checks are "
+                 "`python -m pytest tests/test_attention.py`")
     info = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(json.dumps(info), flush=True)

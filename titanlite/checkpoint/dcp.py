@@ -20,7 +20,8 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.checkpoint.hf import check_hf_config, fresh_line
 from titanlite.checkpoint.weights import check_shapes, load_hf_weights
 from titanlite.model_spec import ModelSpec
-from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
+from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState, check_run_kind,
                                         SkippedSamples, Transformed, TrainState)
 from titanlite.optim import Optimizers
 
@@ -140,12 +141,23 @@ def saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
 
 
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """dcp.load and dcp.save with no_dist=True, without the warning torch gives even when asked for
+    one process ("assuming the intent is to ... in a single process"): it is the intent, and a
+    converter's user would read it as something gone wrong."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def load_tensors(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` as a full CPU tensor, in one process (no process group)."""
     meta = read_metadata(Path(path))
     template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    with single_process():
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
     return {k[len(prefix):]: v for k, v in template.items()}
 
 
@@ -153,7 +165,8 @@ def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor]
     """A model-only checkpoint from full tensors in one process (converters, seed files)."""
     tmp = Path(f"{path}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
+    with single_process():
+        dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
     _commit(tmp, Path(path), {"model": spec_name, "args": dataclasses.asdict(args), "model_only": True})
 
 
@@ -355,6 +368,7 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
+        check_run_kind(path, read_info(path), self.transformed is not None and "lora" in self.transformed.record)
         meta = self._check_saved(path, self.states["model"])
         saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
         for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,19 @@ class Transformed:
     """Loads the transform's own initial weights (a PEFT adapter) on a fresh start, after the model's."""
     final: Callable[[list[nn.Module]], None] | None = None
     """Runs on every rank after the last step, given the parts (the PEFT export)."""
+
+
+def check_run_kind(path: Path | str, info: dict[str, Any], lora: bool) -> None:
+    """Refuse, in one line, to resume a LoRA run's checkpoint in a run that trains every weight or the
+    reverse: their checkpoints hold other parameters, and a shape check would name a missing one
+    without saying that a resume into a folder of another kind of run caused it."""
+    saved = "lora" in info.get("transform", {})
+    if saved != lora:
+        theirs = "a LoRA run's (it holds the adapters only)" if saved else "a run's that trains every weight"
+        mine = "is a LoRA run" if lora else "trains every weight (lora.rank 0)"
+        raise ConfigError(f"resuming {path}: that checkpoint is {theirs}, and this run {mine}; give this run its "
+                          "own job.dump_folder (or checkpoint.folder), or resume it with the lora settings it was "
+                          "saved with")
 
 
 # Flattened: keyed by parameter names, not by positions in one optimizer, so the state of
