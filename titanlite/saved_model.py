@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.dcp import load_initial, load_tensors, read_info, saved_args
+from titanlite.checkpoint.dcp import load_initial, load_tensors, read_info, saved_args, single_process
 from titanlite.checkpoint.peft import merge
 from titanlite.layers.lora import LoRASetup
 from titanlite.errors import ConfigError
@@ -26,7 +26,8 @@ def base_weights(spec: ModelSpec, args: Any, base: dict[str, Any]) -> dict[str, 
         model = spec.build(args)
     init.materialize(model, torch.device("cpu"), base.get("seed", 0))
     if base["format"] != "seed":
-        fresh = load_initial([model], Path(base["path"]), base["format"], spec, args)
+        with single_process():
+            fresh = load_initial([model], Path(base["path"]), base["format"], spec, args)
         if fresh and "seed" not in base:
             raise ConfigError(f"{base['path']} holds no weights for {fresh[0]} (and {len(fresh) - 1} more), which the "
                               "LoRA run seeded with a seed its checkpoint does not record; convert its PEFT adapter "

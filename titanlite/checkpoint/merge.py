@@ -16,7 +16,6 @@ in-run merge of steps equals the offline merge of their checkpoints bit for bit.
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from titanlite.checkpoint.dcp import IDENTITY, INFO
+from titanlite.checkpoint.dcp import IDENTITY, INFO, single_process
 from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.state import ModelState
 from titanlite.config.job import Checkpoint
@@ -50,8 +49,7 @@ def model_entries(path: Path) -> dict[str, TensorStorageMetadata]:
 def read_tensor(path: Path, name: str, entry: TensorStorageMetadata) -> torch.Tensor:
     """One model tensor of a checkpoint, whole, in one process (DCP reads only its bytes)."""
     out = torch.empty(entry.size, dtype=entry.properties.dtype)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process")
+    with single_process():
         dcp.load({"model": {name: out}}, checkpoint_id=str(path), no_dist=True)
     return out
 
@@ -122,8 +120,7 @@ def write_lazily(out: Path, shapes: dict[str, tuple[torch.Size, torch.dtype]],
     """A model-only DCP folder of tensors `compute(name)`, made one at a time while it is written;
     serially (no copy-ahead), so one is alive at a time."""
     placeholders = {k: torch.empty(size, dtype=dtype, device="meta") for k, (size, dtype) in shapes.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process")
+    with single_process():
         dcp.save({"model": placeholders}, storage_writer=FileSystemWriter(str(out), per_thread_copy_ahead=0),
                  planner=_LazyPlanner(compute), no_dist=True)
 
