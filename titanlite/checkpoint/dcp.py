@@ -6,9 +6,10 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folde
   dataloader        samples consumed so far and what defines the sample order; the order
                     is global (titanlite.data.loader), so this cursor means the same on any layout
   train_state       step and tokens seen
-  rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
+  rng               each rank's generator states (CPU, CUDA), under keys naming the rank and the
+                    layout: ranks draw different amounts (dropout in unequal pipeline stages)
 (each a Stateful in titanlite.checkpoint.state), plus titanlite.json (model family and args, for
-titanlite.tools.convert). It is written as step-N.tmp and renamed when whole: a folder named
+titanlite.tools.convert, and the job's config, which a resume compares with its own). It is written as step-N.tmp and renamed when whole: a folder named
 step-N is always complete.
 """
 
@@ -40,6 +41,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.checkpoint.hf import check_hf_config, fresh_line
 from titanlite.checkpoint.weights import check_shapes, load_hf_weights
 from titanlite.model_spec import ModelSpec
+from titanlite.checkpoint.resume import adapters_only, changes, check_state_fits, resumed_line
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState,
                                         SkippedSamples, Transformed, TrainState)
 from titanlite.optim import Optimizers
@@ -104,7 +106,13 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
         raise ConfigError(f"{what} with {', '.join(f'{k}={saved[k]!r}' for k in differ)}, but this run's "
                           f"{spec.name} flavor has {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
                           "the flavor it was saved with, or give this run its own job.dump_folder")
+    differ = spec.compare_saved(saved, args) if spec.compare_saved is not None else []
+    if differ:
+        (key, old, new), more = differ[0], f" ({len(differ) - 1} more differ)" if len(differ) > 1 else ""
+        raise ConfigError(f"{what} with {key} {old!r}, but this run has {new!r}{more}: it would resume as another "
+                          f"model; restore {key}, or give this run its own job.dump_folder")
     shapes = saved_shapes(meta, "model.")
+    adapters_only(path, info, mine, shapes)
     check_shapes(mine, shapes, str(path))
     extra = sorted(shapes.keys() - whole.keys())
     if extra:
@@ -212,8 +220,12 @@ class CheckpointManager:
                  loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
                  args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = (),
                  writer_group: Callable[[], dist.ProcessGroup] = lambda: dist.new_group(backend="gloo"),
-                 transformed: Transformed | None = None) -> None:
+                 transformed: Transformed | None = None, config: dict[str, Any] | None = None,
+                 layout: str = "") -> None:
+        """`config`: the job's (titanlite.checkpoint.resume.flat_config), recorded and compared on
+        resume; `layout`: names what each rank's random draws depend on (the parallel degrees)."""
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
+        self.config, self.layout = config or {}, layout
         self.transformed = transformed
         # with frozen weights (LoRA) a checkpoint holds what trains; the initial weights give the rest
         self.frozen = any(not p.requires_grad for part in parts for p in part.parameters())
@@ -224,10 +236,12 @@ class CheckpointManager:
         self.data = DataState(loader, data, seq_len, global_batch_size)
         self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
         self.seq_len = seq_len
+        self.rank = dist.get_rank()
+        # loaded in this order: the optimizer's settings first, then the schedule sets their lr
         self.states = {"model": ModelState(parts, trained if self.frozen else None), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
-                       "train_state": self.train_state, "rng": RngState(torch.cuda.is_available())}
-        self.rank = dist.get_rank()
+                       "train_state": self.train_state,
+                       "rng": RngState(torch.cuda.is_available(), f"{layout}_rank{self.rank}")}
         self.pending: tuple[Path, Path, dict, Any] | None = None
         self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
         self.pg = self.stager = None
@@ -305,21 +319,31 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
+        info = read_info(path)
         meta = self._check_saved(path, self.states["model"])
-        saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
+        saved, mine = info.get("transform", {}), {} if self.transformed is None else self.transformed.record
         for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):
             raise ConfigError(f"{path} was saved with {key} {saved.get(key)}, but this run has {mine.get(key)}: it would "
                               "resume another run's training; restore those settings, or give this run its own "
                               "job.dump_folder")
         self.data.check_saved(meta.state_dict_metadata)
-        states = {k: v for k, v in self.states.items() if k not in self.optional}
-        if "rng.cuda" not in meta.state_dict_metadata:
-            states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        rng = self.states["rng"].fitting(meta.state_dict_metadata)  # None: another layout's generators
+        states = {k: v for k, v in self.states.items() if k not in self.optional and k != "rng"}
         # absent (a run without ranges, on_spike off): no ranges, a spike window that fills anew
         states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
-        _read(states, path)
+        check_state_fits(path, meta, states, info.get("config", {}), self.config)  # a config's difference, not a break
+        _read({**states, **({"rng": rng} if rng is not None else {})}, path)
+        self.data.align(self.train_state.step)
         if self.rank == 0 and say:
-            print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+            print(resumed_line(path, self.train_state.tokens_seen, self.train_state.step,
+                               self.states["optimizer"].optimizers.lr, self.states["lr_scheduler"].saved_lr,
+                               changes(info.get("config", {}), self.config)), flush=True)
+        if self.rank == 0 and rng is None:
+            saved = sorted({k[len("rng.cpu_"):].rsplit("_rank", 1)[0] for k in meta.state_dict_metadata
+                            if k.startswith("rng.cpu_")})
+            print(f"titanlite: {path} was saved on another layout ({', '.join(saved)}; this run: {self.layout}): "
+                  "each rank's random generators restart from training.seed, so dropout masks differ from an "
+                  "uninterrupted run's", flush=True)
         return self.train_state.step
 
     def _check_saved(self, path: Path, model: ModelState) -> Metadata:
@@ -358,7 +382,7 @@ class CheckpointManager:
     def _info(self, step: int, model_only: bool, **extra: Any) -> dict[str, Any]:
         record = {} if self.transformed is None else {"transform": self.transformed.record}
         return {"step": step, "model": self.spec.name, "args": dataclasses.asdict(self.args),
-                "model_only": model_only, **record, **extra}
+                "model_only": model_only, **record, **({} if model_only else {"config": self.config}), **extra}
 
     def wait_for_staging(self) -> None:
         """Call before optimizer.step(): an async save must have copied the weights it writes."""
@@ -402,6 +426,20 @@ class CheckpointManager:
         if self.due(step) or force:
             self._save(step)
         if step == self.final_step and self.cfg.export_dtype:
+            self._export(step, getattr(torch, self.cfg.export_dtype))
+
+    def past_the_end(self, step: int) -> None:
+        """A resumed checkpoint at or past the last step (training.steps): nothing to train; the
+        run's end still writes the exports it asks for (the PEFT adapter, checkpoint.export_dtype's)."""
+        asked = [what for what, on in (("the PEFT adapter", self.transformed and self.transformed.final),
+                                       (f"export-step-{step}", self.cfg.export_dtype)) if on]
+        if self.rank == 0:
+            print(f"titanlite: the checkpoint of step {step} is at or past training.steps {self.final_step}: nothing to "
+                  f"train (raise training.steps to train on){'; writing ' + ' and '.join(asked) if asked else ''}",
+                  flush=True)
+        if self.transformed is not None and self.transformed.final is not None:
+            self.transformed.final(self.parts)
+        if self.cfg.export_dtype:
             self._export(step, getattr(torch, self.cfg.export_dtype))
 
     def _save(self, step: int) -> None:
