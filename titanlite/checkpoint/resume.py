@@ -29,16 +29,20 @@ def flat_config(cfg: Any) -> dict[str, Any]:
             for k, v in json.loads(json.dumps(dataclasses.asdict(getattr(cfg, f.name)))).items()}
 
 
+UNSAID = ("job.dump_folder", "checkpoint.load_step")
+"""Keys that say where a checkpoint is, not what the run does."""
+
+
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'key old -> new' for each key both record with different values (a checkpoint written
     before the config was recorded: none)."""
-    return [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    return [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k] and k not in UNSAID]
 
 
 def resumed_line(path: Path, tokens: int, step: int, lr: float, saved_lr: float | None, changed: list[str]) -> str:
-    old = f" (the checkpoint's schedule: {saved_lr:.4g})" if saved_lr is not None and saved_lr != lr else ""
+    old = f" (the checkpoint's schedule: {saved_lr:.2e})" if saved_lr is not None and saved_lr != lr else ""
     what = f"; changed since the save: {', '.join(changed)}" if changed else ""
-    return f"titanlite: resumed from {path} ({tokens:,} tokens seen); step {step + 1} runs at lr {lr:.4g}{old}{what}"
+    return f"titanlite: resumed from {path} ({tokens:,} tokens seen); step {step + 1} runs at lr {lr:.2e}{old}{what}"
 
 
 def _fields(keys: list[str], prefix: str) -> set[str]:

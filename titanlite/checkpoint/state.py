@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -129,7 +130,9 @@ class SchedulerState:
             # schedule, as an uninterrupted run's step() does (the saved lr was the old schedule's)
             sched.load_state_dict({**sched.state_dict(), **sd, "last_epoch": sd["last_epoch"] - 1,
                                    "_step_count": sd["_step_count"] - 1})
-            sched.step()
+            with warnings.catch_warnings():  # no optimizer step yet in this process, rightly
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                sched.step()
 
 
 class DataState:
