@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,11 @@ def test_spike_rollback_equals_a_resume_that_skips_the_same_samples(tmp_path):
     acc.Reload()
     shown = [(e.step, e.value) for e in acc.Scalars("loss/train")]
     assert shown == [(s, pytest.approx(rolled.line[s]["loss"], rel=1e-6)) for s in range(1, 16)], shown
+    # resumed with a global batch of 8: steps 11-12 read samples 40-56 (the cursor's 40 on), not 80-96
+    shutil.copytree(tmp_path / "rolled" / "checkpoint" / "step-10", tmp_path / "rebatched" / "checkpoint" / "step-10")
+    rebatched = train(1, [*args, "--training.global_batch_size", "8", "--training.steps", "13"],
+                      dump=tmp_path / "rebatched", env={"TITANLITE_FAULTS": "spike@11,spike@12"}, timeout=LIMIT_S)
+    assert "rolled back to step 10, samples 40-56 skipped from now on" in rebatched.output, rebatched.output
     (tmp_path / "by_config" / "checkpoint").mkdir(parents=True)
     (tmp_path / "rolled" / "checkpoint" / "step-10").rename(tmp_path / "by_config" / "checkpoint" / "step-10")
     skip = [*args, "--data.skip_samples", "40-48"]
