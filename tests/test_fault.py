@@ -186,6 +186,11 @@ def test_spike_rollback_equals_a_resume_that_skips_the_same_samples(tmp_path):
     rebatched = train(1, [*args, "--training.global_batch_size", "8", "--training.steps", "13"],
                       dump=tmp_path / "rebatched", env={"TITANLITE_FAULTS": "spike@11,spike@12"}, timeout=LIMIT_S)
     assert "rolled back to step 10, samples 40-56 skipped from now on" in rebatched.output, rebatched.output
+    wider = launch(1, [*args, "--training.global_batch_size", "8", "--training.spike_window", "8"],
+                   dump=tmp_path / "rebatched")
+    assert wider.returncode == 2 and ("holds 'spike_window.values' of shape (5, 2), this run's training.spike_window "
+                                      "makes it (8, 2) (training.spike_window 5 then, 8 now): the checkpoint is sound"
+                                      ) in wider.output, wider.output
     (tmp_path / "by_config" / "checkpoint").mkdir(parents=True)
     (tmp_path / "rolled" / "checkpoint" / "step-10").rename(tmp_path / "by_config" / "checkpoint" / "step-10")
     skip = [*args, "--data.skip_samples", "40-48"]
