@@ -5,6 +5,7 @@ schedule as the first half of a 20-step one and "train 10, exit, train 10 more" 
 same job as "train 20". Every layout uses the same global batch of 8 samples.
 """
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -14,13 +15,15 @@ import torch
 from harness import TINY, assert_parity, launch, train
 
 from titanlite.config import load as config_load
-from titanlite.checkpoint.dcp import check_saved_model, load_tensors, model_shapes, read_info, read_metadata
-from titanlite.checkpoint.state import DataState
+from titanlite.checkpoint.dcp import check_saved_model, model_shapes
+from titanlite.checkpoint.folder import load_tensors, read_info, read_metadata
+from titanlite.checkpoint.state import DataState, OptimizerState, SchedulerState
 from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.model_spec import get_model_spec
+from titanlite.optim import build_optimizers, lr_factor
 from titanlite.preflight import preflight
 
 BASE = [*TINY, "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
@@ -36,8 +39,11 @@ def hooked(nproc: int, args: list[str], dump: Path, hook: str):
     return train(nproc, args, dump=dump, env={"TITANLITE_TEST_HOOK": hook}, module=HOOKS)
 
 
-def assert_same_tensors(a: Path, b: Path, prefix: str = "") -> None:
+def assert_same_tensors(a: Path, b: Path, prefix: str = "", rng: bool = True) -> None:
+    """`rng` False: the generators aside (each rank's, keyed by the layout: another layout's differ)."""
     x, y = load_tensors(a, prefix), load_tensors(b, prefix)
+    if not rng:
+        x, y = ({k: v for k, v in t.items() if not k.startswith("rng.")} for t in (x, y))
     assert x.keys() == y.keys(), sorted(set(x) ^ set(y))
     different = [k for k in x if not torch.equal(x[k], y[k])]
     assert not different, f"{a} vs {b} differ in {different[:5]}"
@@ -105,7 +111,10 @@ def test_reshard_loads_identical_state_and_continues_the_stream(layout, straight
     if layout == "one_process":
         shutil.copytree(async2 / "checkpoint" / "step-20", tmp_path / "checkpoint" / "step-20")
     run = hooked(nproc, job(nproc, 20, *extra), tmp_path, "resave")
-    assert_same_tensors(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint-resaved" / "step-10")
+    assert_same_tensors(async2 / "checkpoint" / "step-10", tmp_path / "checkpoint-resaved" / "step-10", rng=False)
+    now = {"fsdp4": "dps4_cp1_tp1", "one_process": "dps1_cp1_tp1", "tp2": "dps1_cp1_tp2"}[layout]
+    assert (f"saved on another layout (pp1_dpr1_dps2_cp1_tp1_ep1; this run: pp1_dpr1_{now}_ep1): each rank's "
+            "random generators restart from training.seed") in run.output
     assert [r["step"] for r in run.metrics] == list(range(11, 21))
     assert_parity(train_losses(straight2)[10:], run.losses)
 
@@ -286,3 +295,65 @@ def test_streamed_run_resumes_exactly(tmp_path):
     second = train(2, job(2, 12, *streamed), dump=tmp_path / "resumed")
     assert "resumed from" in second.output
     assert second.losses[-6:] == straight.losses[-6:]
+
+
+def test_a_resume_runs_the_config_s_schedule_and_optimizer_settings(straight1, tmp_path):
+    """Resumed from step 10 (saved by a 20-step run at lr 8e-4) as a 20-step run with another lr,
+    a decay and another weight decay: steps 11-20 run a fresh 20-step run's lrs, the line says what changed; a changed optimizer is refused as such, naming
+    the route that keeps the weights; a checkpoint at training.steps says so and still exports."""
+    shutil.copytree(straight1 / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
+    new = ["--optimizer.lr", "2e-3", "--lr_scheduler.decay_ratio", "0.5", "--optimizer.weight_decay", "0.5"]
+    run = train(1, [*job(1, 20), *new], dump=tmp_path)
+    cfg, _ = config_load.load([*job(1, 20), *new])
+    lrs = [cfg.optimizer.lr * lr_factor(step, cfg.lr_scheduler, 20) for step in range(20)]  # LambdaLR's
+    assert [r["lr"] for r in run.metrics] == lrs[10:] and lrs[10] != 8e-4
+    assert (f"resumed from {tmp_path}/checkpoint/step-10 (5,120 tokens seen); step 11 runs at lr {lrs[10]:.2e} "
+            "(the checkpoint's schedule: 8.00e-04); changed since the save: optimizer.lr 0.0008 -> 0.002, "
+            "optimizer.weight_decay 0.1 -> 0.5, lr_scheduler.decay_ratio 0.0 -> 0.5, checkpoint.export_dtype "
+            "'bfloat16' -> ''\n") in run.output, run.output
+    muon = launch(1, [*job(1, 20), "--optimizer.name", "Muon", "--checkpoint.load_step", "10"], dump=tmp_path)
+    assert muon.returncode == 2 and "titanlite/checkpoint" not in muon.output, muon.output
+    assert (f"step-10 holds AdamW optimizer state for 'layers.0.attention.wq.weight', which this run trains with "
+            "Muon, optimizer.name 'Muon' (saved with 'AdamW'): a changed optimizer cannot resume") in muon.output
+    assert f"--checkpoint.initial_load_path {tmp_path}/checkpoint/step-10 (it loads the weights only)" in muon.output
+    done = launch(1, [*job(1, 10), "--checkpoint.load_step", "10", "--checkpoint.export_dtype", "bfloat16"],
+                  dump=tmp_path)
+    assert done.returncode == 0 and ("the checkpoint of step 10 is at or past training.steps 10: nothing to train "
+                                     "(raise training.steps to train on); writing export-step-10") in done.output
+    weights, export = load_tensors(tmp_path / "checkpoint" / "step-10", "model."), \
+        load_tensors(tmp_path / "checkpoint" / "export-step-10", "model.")
+    assert weights.keys() == export.keys() and all(torch.equal(v.bfloat16(), export[k]) for k, v in weights.items())
+
+
+def test_loaded_optimizer_state_keeps_the_moments_under_the_config_s_settings():
+    """OptimizerState and SchedulerState loaded into optimizers built with other settings: each
+    update is AdamW's with the new weight decay, betas and eps on the saved moments, at the new
+    schedule's lr; a linear decay past its end holds its last value, never below zero."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    old_cfg, _ = config_load.load(["--optimizer.weight_decay", "0.1", "--lr_scheduler.warmup_steps", "1"])
+    new_cfg, _ = config_load.load(["--optimizer.weight_decay", "5", "--optimizer.beta1", "0.5", "--optimizer.eps",
+                                   "1e-3", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"])
+    old = build_optimizers([model], old_cfg.optimizer, old_cfg.lr_scheduler, 4)
+    for _ in range(3):
+        model(torch.randn(2, 8)).square().sum().backward()
+        old.step()
+        old.step_schedule()
+        old.zero_grad()
+    saved = {"optimizer": OptimizerState(old, ()).state_dict(), "lr_scheduler": SchedulerState(old.schedulers).state_dict()}
+    moments = copy.deepcopy(old.optimizers[0].state_dict())
+    new = build_optimizers([model], new_cfg.optimizer, new_cfg.lr_scheduler, 8)
+    OptimizerState(new, ()).load_state_dict(saved["optimizer"])
+    SchedulerState(new.schedulers).load_state_dict(saved["lr_scheduler"])
+    assert new.lr == 1e-2 * lr_factor(3, new_cfg.lr_scheduler, 8)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=True)
+    ref.load_state_dict(moments)
+    ref.param_groups[0].update(lr=new.lr, betas=(0.5, 0.95), eps=1e-3, weight_decay=5.0)
+    x = torch.randn(2, 8)
+    for m, opt in ((model, new), (ref_model, ref)):
+        m(x).square().sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    cfg = new_cfg.lr_scheduler
+    assert [lr_factor(s, cfg, 4) for s in (3, 4, 9)] == [cfg.min_lr_factor] * 3

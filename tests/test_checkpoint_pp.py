@@ -10,7 +10,7 @@ import torch
 from harness import TINY, assert_parity, train
 from test_checkpoint import assert_same_tensors, train_losses
 
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
 from titanlite.tools.convert import main as convert_main
 
 # constant LR after warm-up: 10 steps, exit, 10 more is the same job as 20 steps

@@ -12,7 +12,7 @@ import torch
 from titanlite.config import load as config_load
 from titanlite.preflight import make_plan, preflight
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
 from titanlite.checkpoint.weights import load_hf_weights
 from titanlite.checkpoint.hf import read_config, read_safetensors, write_hf_folder
 from titanlite.errors import ConfigError

@@ -14,7 +14,7 @@ import pytest
 
 from harness import TINY, Run, assert_grad_parity, assert_parity, reference, train
 
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
 
 DSV3 = [*TINY, "--model.name", "deepseek_v3", "--training.global_batch_size", "8", "--moe.bias_update_rate", "0.001",
         "--lr_scheduler.decay_ratio", "0"]

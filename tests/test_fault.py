@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 import torch
 from harness import REPO, TINY, Forked, _env, fork_ranks, launch, train
 
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
 
 LIMIT_S = 120
 
@@ -180,6 +181,16 @@ def test_spike_rollback_equals_a_resume_that_skips_the_same_samples(tmp_path):
     acc.Reload()
     shown = [(e.step, e.value) for e in acc.Scalars("loss/train")]
     assert shown == [(s, pytest.approx(rolled.line[s]["loss"], rel=1e-6)) for s in range(1, 16)], shown
+    # resumed with a global batch of 8: steps 11-12 read samples 40-56 (the cursor's 40 on), not 80-96
+    shutil.copytree(tmp_path / "rolled" / "checkpoint" / "step-10", tmp_path / "rebatched" / "checkpoint" / "step-10")
+    rebatched = train(1, [*args, "--training.global_batch_size", "8", "--training.steps", "13"],
+                      dump=tmp_path / "rebatched", env={"TITANLITE_FAULTS": "spike@11,spike@12"}, timeout=LIMIT_S)
+    assert "rolled back to step 10, samples 40-56 skipped from now on" in rebatched.output, rebatched.output
+    wider = launch(1, [*args, "--training.global_batch_size", "8", "--training.spike_window", "8"],
+                   dump=tmp_path / "rebatched")
+    assert wider.returncode == 2 and ("holds 'spike_window.values' of shape (5, 2), this run's training.spike_window "
+                                      "makes it (8, 2) (training.spike_window 5 then, 8 now): the checkpoint is sound"
+                                      ) in wider.output, wider.output
     (tmp_path / "by_config" / "checkpoint").mkdir(parents=True)
     (tmp_path / "rolled" / "checkpoint" / "step-10").rename(tmp_path / "by_config" / "checkpoint" / "step-10")
     skip = [*args, "--data.skip_samples", "40-48"]

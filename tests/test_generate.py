@@ -192,7 +192,7 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
     import io
     import json
 
-    from titanlite.checkpoint.dcp import write_model_checkpoint
+    from titanlite.checkpoint.folder import write_model_checkpoint
     from titanlite.data.tokenizer import byte_chat_tokenizer
     from titanlite.generate.__main__ import main
 

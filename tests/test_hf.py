@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import ModelArgs, Transformer
-from titanlite.checkpoint.dcp import load_tensors, saved_args, write_model_checkpoint
+from titanlite.checkpoint.folder import load_tensors, saved_args, write_model_checkpoint
 from titanlite.errors import ConfigError
 from titanlite.model_spec import get_model_spec, model_args
 from titanlite.tools.convert import main as convert_main

@@ -29,7 +29,8 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from titanlite.checkpoint.dcp import model_shapes, read_metadata, write_model_checkpoint
+from titanlite.checkpoint.dcp import model_shapes
+from titanlite.checkpoint.folder import read_metadata, write_model_checkpoint
 from titanlite.checkpoint.hf import read_safetensors, write_hf_folder
 from titanlite.checkpoint.peft import from_peft, to_peft, write_peft
 from titanlite.checkpoint.weights import assign_full
@@ -185,6 +186,9 @@ def layouts(tmp_path_factory):
           "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", TARGETS, "--optimizer.lr", "1e-2",
           "--checkpoint.initial_load_path", str(root / "tf_base"), "--checkpoint.initial_load_format", "hf"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    pp_dropout = [*lora, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_microbatch_size", "2", "--lora.dropout", "0.1",
+                  "--parallelism.pipeline_parallel_first_stage_less_layers", "0"]
     runs = {
         "fsdp2": [*lora, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
         "resumed": [*lora, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
@@ -201,8 +205,12 @@ def layouts(tmp_path_factory):
         "tf_tp2": [*tf, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *ckpt],
         "tf_fsdp2": [*tf, "--training.local_batch_size", "4", *ckpt],
         "tf_hsdp2x1": [*tf, "--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"],
+        # dropout on stages of 3 and 1 blocks (unequal draws per rank): 10 steps, and from step 5
+        "pp2_dropout": [*pp_dropout, *ckpt, "--job.run_name", "straight"],
+        "pp2_dropout_resumed": [*pp_dropout, *ckpt, "--job.run_name", "resumed", "--checkpoint.load_step", "5"],
     }
-    dumps = {name: root / ("fsdp2" if name == "resumed" else name) for name in runs}
+    shared = {"resumed": "fsdp2", "pp2_dropout_resumed": "pp2_dropout"}  # a resume writes to its run's folder
+    dumps = {name: root / shared.get(name, name) for name in runs}
     argv = " + ".join(" ".join([*args, "--job.dump_folder", str(dumps[name])]) for name, args in runs.items())
     codes, output = spawn_ranks(2, [str(REPO / "tests" / "lora_layouts.py"), *argv.split()], timeout=900)
     refs = {"llama3": reference([*lora, "--training.local_batch_size", "8"]),
@@ -258,10 +266,17 @@ def test_a_two_rank_transformers_export_loads_in_peft_with_the_runs_logits(layou
 
 
 def test_resume_is_bitwise_and_a_checkpoint_holds_the_adapter_only(layouts):
+    for dump in (layouts["dumps"]["fsdp2"], layouts["dumps"]["pp2_dropout"]):
+        straight, resumed = _rows(dump, "straight"), _rows(dump, "resumed")
+        assert [r["step"] for r in resumed] == list(range(6, 11))
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]], dump
     dump = layouts["dumps"]["fsdp2"]
-    straight, resumed = _rows(dump, "straight"), _rows(dump, "resumed")
-    assert [r["step"] for r in resumed] == list(range(6, 11))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]]
+    step5 = dump / "checkpoint" / "step-5"
+    for extra in (["--checkpoint.enable", "true", "--checkpoint.load_step", "5"], ["--checkpoint.initial_load_path", str(step5)]):
+        cfg, _ = config_load.load([*TINY, "--training.local_batch_size", "8", "--job.dump_folder", str(dump), *extra])
+        with pytest.raises(ConfigError, match=rf"{step5} is a LoRA run's checkpoint \(lora.rank 4, 20 adapted layers\): "
+                                              "it holds the adapters, not the model's weights"):
+            preflight(cfg, 1)
     a, b = load_file(dump / "peft" / "adapter_model.safetensors"), load_file(dump / "peft_resumed" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     meta = read_metadata(dump / "checkpoint" / "step-5").state_dict_metadata

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from harness import TINY, train
 
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
 
 BASE = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8", "--lr_scheduler.decay_ratio", "0",
         "--checkpoint.enable", "--checkpoint.interval", "5", "--moe.aux_loss_coeff", "0.01",
@@ -55,7 +55,7 @@ def test_resume_is_bitwise_under_ep2(straight, tmp_path):
 def test_ep2_checkpoint_loads_at_another_degree(ep, straight, tmp_path):
     shutil.copytree(straight / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     run = train(ep, job(ep, 10), dump=tmp_path, env={"TITANLITE_TEST_HOOK": "resave"}, module="tests.ckpt_hooks")
-    assert_same_tensors(straight / "checkpoint" / "step-5", tmp_path / "checkpoint-resaved" / "step-5")
+    assert_same_tensors(straight / "checkpoint" / "step-5", tmp_path / "checkpoint-resaved" / "step-5", rng=False)
     assert [r["step"] for r in run.metrics] == list(range(6, 11))
     # assert_parity wants 10 steps; these are the 5 after the load
     for a, b in zip(losses(straight)[5:], run.losses):

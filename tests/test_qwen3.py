@@ -10,7 +10,7 @@ from titanlite.models.qwen3 import SPEC, flavors, hf
 from titanlite.models.qwen3.model import Transformer
 from titanlite.config import load as config_load
 from titanlite.layers import init
-from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.checkpoint.folder import load_tensors, write_model_checkpoint
 from titanlite.config.data import Data
 from titanlite.errors import ConfigError
 from titanlite.tools.convert import main as convert_main

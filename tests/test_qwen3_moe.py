@@ -11,7 +11,7 @@ from titanlite.models.qwen3_moe.model import Transformer
 from titanlite.errors import ConfigError
 from harness import TINY, train
 
-from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.checkpoint.folder import load_tensors, write_model_checkpoint
 from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.checkpoint.hf import read_config, read_safetensors

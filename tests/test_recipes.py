@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from harness import TINY, train
 
 import titanlite
-from titanlite.checkpoint.dcp import load_tensors, write_model_checkpoint
+from titanlite.checkpoint.folder import load_tensors, write_model_checkpoint
 from titanlite.checkpoint.state import DataState, SkippedSamples
 from titanlite.config.data import Data
 from titanlite.config.job import Compile, Training

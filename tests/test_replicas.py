@@ -62,7 +62,7 @@ def test_two_groups_with_fsdp_inside_match_one_process(tmp_path):
     """Both groups train every step (min_replica_size 2): each step's loss and gradient norm, in
     both groups, and every parameter after 10 steps (so every gradient), match one process on
     the same global batches; group 0 alone writes checkpoints."""
-    from titanlite.checkpoint.dcp import load_tensors
+    from titanlite.checkpoint.folder import load_tensors
 
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
     ref = reference([*ARGS, *ckpt])

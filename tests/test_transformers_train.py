@@ -7,6 +7,7 @@ trained model's logits. Three launches of 2 gloo ranks."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,11 +16,14 @@ import torch
 from harness import TINY, train
 from test_checkpoint import assert_same_tensors, losses_by_step
 
-from titanlite.checkpoint.dcp import load_tensors
+from titanlite.checkpoint.folder import load_tensors
+from titanlite.config import load as config_load
 from titanlite.config.data import Data
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.errors import ConfigError
 from titanlite.model_spec import get_model_spec
+from titanlite.preflight import preflight
 from titanlite.tools.convert import convert
 
 transformers = pytest.importorskip("transformers")
@@ -97,3 +101,24 @@ def test_export_is_a_folder_transformers_loads_with_equal_logits(folder, straigh
     want, got = ref(input_ids=tokens).logits, model(tokens)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
     assert not torch.equal(ref.lm_head.weight, AutoModelForCausalLM.from_pretrained(folder).lm_head.weight)
+
+
+def test_a_checkpoint_of_another_transformers_config_is_refused(folder, straight, tmp_path):
+    """Every key of the saved transformers config that changes what the model computes is
+    compared on resume, before launch: another activation or RoPE scaling is refused naming the
+    model.hf_overrides key with both values; use_cache changes nothing and may differ."""
+    shutil.copytree(straight / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    step2 = tmp_path / "checkpoint" / "step-2"
+    linear = '{"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}'
+    (tmp_path / "rope.toml").write_text(f"[model]\nhf_overrides = ['rope_parameters={linear}']\n")  # commas: TOML
+    for override, saved, now in ((["--model.hf_overrides", "hidden_act=gelu"], "'silu'", "'gelu'"),
+                                 (["--config", str(tmp_path / "rope.toml")],
+                                  "{'rope_theta': 10000.0, 'rope_type': 'default'}",
+                                  "{'factor': 8.0, 'rope_theta': 10000.0, 'rope_type': 'linear'}")):
+        cfg, _ = config_load.load([*override, *job(folder), "--job.dump_folder", str(tmp_path)])
+        key = "hidden_act" if "hidden_act=gelu" in override else "rope_parameters"
+        with pytest.raises(ConfigError, match=re.escape(f"{step2} holds a checkpoint of model 'transformers' with "
+                                                        f"model.hf_overrides {key} {saved}, but this run has {now}")):
+            preflight(cfg, 2)
+    preflight(config_load.load([*job(folder, "--model.hf_overrides", "use_cache=false"), "--job.dump_folder",
+                                str(tmp_path)])[0], 2)

@@ -60,6 +60,10 @@ class ModelSpec:
     from_hf_config: Callable[[str, tuple[str, ...]], Any] | None = None
     """(model.hf_config, model.hf_overrides) -> ModelArgs, for a family whose architecture the
     config names rather than a flavor (models/transformers); None: flavors only."""
+    compare_saved: Callable[[dict[str, Any], Any], list[tuple[str, Any, Any]]] | None = None
+    """(a checkpoint's args as titanlite.json records them, this run's args) -> (the key to set,
+    saved value, this run's) for each difference in what the model computes beyond the IDENTITY
+    args (titanlite.checkpoint.dcp), which resume refuses; None: IDENTITY and shapes say it all."""
     blocks: str = "layers"
     """Path (dotted) of the module holding the transformer blocks, whose children are the
     blocks "0".."n-1" in the order they run: an nn.ModuleDict (a pipeline stage deletes the

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import (INFO, check_saved_model, complete_steps, model_shapes, read_info, read_metadata,
-                                     resume_step)
+from titanlite.checkpoint.dcp import check_saved_model, complete_steps, model_shapes, resume_step
+from titanlite.checkpoint.folder import INFO, read_info, read_metadata
 from titanlite.checkpoint.lora import setup_lora
 from titanlite.checkpoint.state import check_run_kind
 from titanlite.checkpoint.weights import check_shapes

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from titanlite.checkpoint.dcp import load_initial, load_tensors, read_info, saved_args, single_process
+from titanlite.checkpoint.dcp import load_initial
+from titanlite.checkpoint.folder import load_tensors, read_info, saved_args, single_process
 from titanlite.checkpoint.peft import merge
 from titanlite.layers.lora import LoRASetup
 from titanlite.errors import ConfigError

@@ -25,6 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
+from titanlite.checkpoint.resume import flat_config
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.data.loader import batches_of, build_dataloader, ignored_keys_note
@@ -133,6 +134,7 @@ class StepLog:
     once: bool
     """This rank counts the loss sum (tensor-parallel ranks hold the same)."""
     epoch_of: Callable[[int], int] | None
+    """The epoch of a step's first sample."""
     data: dict[str, int]
     """What the data set counts (titanlite.data.packing.data_counts)."""
     spikes: bool
@@ -150,7 +152,7 @@ class StepLog:
         speed, eta = self.throughput(step)
         self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                 "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
-                                "epoch": self.epoch_of(self.plan.schedule.samples_before(step)) if self.epoch_of else None, **self.data,
+                                "epoch": self.epoch_of(step) if self.epoch_of else None, **self.data,
                                 **losses, **{k: float(v) for k, v in result.scalars.items()},
                                 **({"spike_steps": verdict.spikes} if self.spikes else {}),
                                 **({} if self.stragglers is None else self.stragglers.report(step, self.guard.own_s))},
@@ -233,7 +235,8 @@ def build_checkpointer(cfg: JobConfig, plan: Plan, parts: list[nn.Module], optim
                              final_step=t.steps, tied=() if plan.stages is None else plan.stages.tied,
                              writer_group=lambda: meshes.groups.own("gloo", cfg.comm.save_timeout_s),
                              transformed=None if plan.lora is None else lora.checkpointing(plan.lora, cfg, plan.spec,
-                                                                                            plan.args))
+                                                                                            plan.args),
+                             config=flat_config(cfg), layout=plan.dims.layout)
     window = SpikeWindow(t.spike_window, t.spike_sigmas, device) if t.on_spike != "off" else None
     if window is not None:
         ckpt.optional["spike_window"] = window
@@ -354,6 +357,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         return None
     restarted = Restart.read()  # torchrun restarted this job: what failed (its line says, once resumed)
     start_step = ckpt.maybe_load(say=restarted is None)
+    if start_step >= t.steps:
+        ckpt.past_the_end(start_step)
     ft = (Replicas(cfg.fault_tolerance, parts, optimizers, loader, plan.global_batch_size, t.local_batch_size,
                    dims.dp, device, start_step, {"guard": tally},
                    cfg.comm.init_timeout_s) if cfg.fault_tolerance.enable else None)
@@ -383,7 +388,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     stop_line, verdict = None, guard.verdict
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
-    epoch_of = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    epoch = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    epoch_of = None if epoch is None else lambda n: epoch(loader.batch_sampler.first_sample(n))
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
                   window is not None, t.z_loss)
 
@@ -430,7 +436,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
 
     gc_control.stop(t.gc_freq)
     guard.phase("checkpoint save")  # the last save may still be writing
-    if step == t.steps and (ft is None or ft.writes_checkpoints()):
+    if step >= t.steps and (ft is None or ft.writes_checkpoints()):  # a resume past the end exports too
         end_of_run(cfg, ckpt, parts, step)
     ckpt.close()
     guard.close()

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import titanlite
-from titanlite.checkpoint.dcp import model_shapes, read_info, write_model_checkpoint
+from titanlite.checkpoint.dcp import model_shapes
+from titanlite.checkpoint.folder import read_info, write_model_checkpoint
 from titanlite.checkpoint.peft import to_peft, write_peft
 from titanlite.errors import ConfigError
 from titanlite.checkpoint.hf import write_hf_folder

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from titanlite.checkpoint.dcp import INFO, check_saved_model, model_shapes, read_info, read_metadata, saved_args
+from titanlite.checkpoint.dcp import check_saved_model, model_shapes
+from titanlite.checkpoint.folder import INFO, read_info, read_metadata, saved_args
 from titanlite.checkpoint.hf import INDEX, HFAdapter
 from titanlite.checkpoint.merge import (Member, average, check_mergeable, merged_info, model_entries, plain_member,
                                         read_tensor, write_lazily)

@@ -13,7 +13,7 @@ import torch
 from titanlite.layers import decoder
 from titanlite.model_spec import ModelSpec
 
-from .config import args_from_config, from_hf_config, resolve_dict
+from .config import args_from_config, compare_saved, from_hf_config, resolve_dict
 from .hf import ADAPTER
 from .model import ModelArgs, build, hf_config
 from .parallelize import check_layout, tp_plan
@@ -104,4 +104,4 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 SPEC = ModelSpec(name="transformers", flavors=Flavors(), build=build, tp_plan=tp_plan, flops_per_token=flops_per_token,
                  check_layout=check_layout, hf=ADAPTER, blocks="model.layers", pre=("model.embed_tokens",),
-                 post=("model.norm", "lm_head"), from_hf_config=from_hf_config)
+                 post=("model.norm", "lm_head"), from_hf_config=from_hf_config, compare_saved=compare_saved)

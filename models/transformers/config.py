@@ -226,3 +226,19 @@ def _version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+INERT = frozenset({"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache",
+                   "output_attentions", "output_hidden_states", "return_dict", "torchscript", "chunk_size_feed_forward",
+                   "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "id2label", "label2id",
+                   "problem_type", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task"})
+"""Config keys that change nothing a training step computes (generation, outputs returned, labels,
+token ids the loss never reads, a feed-forward computed in chunks): a resumed run may change them."""
+
+
+def compare_saved(saved: dict[str, Any], args: ModelArgs) -> list[tuple[str, Any, Any]]:
+    """ModelSpec.compare_saved: each key of the saved transformers config that differs from this
+    run's (INERT keys aside), as the model.hf_overrides key that sets it."""
+    old, new = json.loads(saved.get("config", "{}")), json.loads(args.config)
+    return [(f"model.hf_overrides {k}", old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())
+            if k not in INERT and old.get(k) != new.get(k)]

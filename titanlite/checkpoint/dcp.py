@@ -6,9 +6,10 @@ A checkpoint is a torch.distributed.checkpoint (DCP) folder <dump_folder>/<folde
   dataloader        samples consumed so far and what defines the sample order; the order
                     is global (titanlite.data.loader), so this cursor means the same on any layout
   train_state       step and tokens seen
-  rng               torch's RNG state; every rank seeds alike, so one copy serves all ranks
+  rng               each rank's generator states (CPU, CUDA), under keys naming the rank and the
+                    layout: ranks draw different amounts (dropout in unequal pipeline stages)
 (each a Stateful in titanlite.checkpoint.state), plus titanlite.json (model family and args, for
-titanlite.tools.convert). It is written as step-N.tmp and renamed when whole: a folder named
+titanlite.tools.convert, and the job's config, which a resume compares with its own). It is written as step-N.tmp and renamed when whole: a folder named
 step-N is always complete.
 """
 
@@ -20,8 +21,7 @@ import json
 import re
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -38,54 +38,22 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titanlite.config.data import Data
 from titanlite.config.job import Checkpoint
 from titanlite.errors import ConfigError, RunError
+from titanlite.checkpoint.folder import read_metadata, read_info, saved_shapes, commit
 from titanlite.checkpoint.hf import check_hf_config, fresh_line
 from titanlite.checkpoint.weights import check_shapes, load_hf_weights
 from titanlite.model_spec import ModelSpec
+from titanlite.checkpoint.resume import (adapters_only, another_layout, changes, check_state_fits, resumed_line,
+                                         same_model)
 from titanlite.checkpoint.state import (DataState, ModelState, OptimizerState, RngState, SchedulerState, check_run_kind,
                                         SkippedSamples, Transformed, TrainState)
 from titanlite.optim import Optimizers
 
-INFO = "titanlite.json"
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def _warn(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"titanlite: warning: {msg}", file=sys.stderr, flush=True)
-
-
-# ---- reading folders ---------------------------------------------------------------
-
-def read_metadata(path: Path) -> Metadata:
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a missing, truncated or foreign .metadata file
-        raise ConfigError(f"{path}: not a readable DCP checkpoint ({type(e).__name__}: {e})") from None
-
-
-def read_info(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((Path(path) / INFO).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: missing or unreadable {INFO} ({e}); not a complete titanlite checkpoint") from None
-
-
-def saved_args(templates: list[Any], values: dict[str, Any]) -> Any:
-    """ModelArgs from their saved JSON form (titanlite.json's "args"): nested dataclasses (a MoE
-    layer's args, YaRN) and tuples come back as dicts and lists. `templates`: the family's
-    flavors; a nested field takes its type from the first that sets it (a flavor may leave it
-    None, as DeepSeek-V3 16B's YaRN)."""
-    fields = {}
-    for f in dataclasses.fields(templates[0]):
-        if f.name not in values:
-            continue
-        v, kinds = values[f.name], [getattr(t, f.name) for t in templates]
-        nested = [k for k in kinds if dataclasses.is_dataclass(k)]
-        if v is None or not (nested or isinstance(kinds[0], tuple)):
-            fields[f.name] = v
-        else:
-            fields[f.name] = saved_args(nested, v) if nested else tuple(v)
-    return dataclasses.replace(templates[0], **fields)
 
 
 IDENTITY = ("norm_eps", "rope_theta", "tie_embeddings", "sliding_window", "layer_types", "attn_sinks")
@@ -126,7 +94,10 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
         raise ConfigError(f"{what} with {', '.join(f'{k}={saved[k]!r}' for k in differ)}, but this run's "
                           f"{run} {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
                           f"the {source} it was saved with, or give this run its own job.dump_folder")
+    if spec.compare_saved is not None:
+        same_model(what, spec.compare_saved(saved, args))
     shapes = saved_shapes(meta, "model.")
+    adapters_only(path, info, mine, shapes)
     check_shapes(mine, shapes, str(path))
     extra = sorted(shapes.keys() - whole.keys())
     if extra:
@@ -134,40 +105,6 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
         raise ConfigError(f"{what} with '{extra[0]}'{more}, which this run's {spec.name} lacks: it was saved from "
                           "another model; resume it with the model that saved it, or give this run its own "
                           "job.dump_folder")
-
-
-def saved_shapes(meta: Metadata, prefix: str) -> dict[str, torch.Size]:
-    return {k[len(prefix):]: m.size for k, m in meta.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-
-
-@contextlib.contextmanager
-def single_process() -> Iterator[None]:
-    """dcp.load and dcp.save with no_dist=True, without the warning torch gives even when asked for
-    one process ("assuming the intent is to ... in a single process"): it is the intent, and a
-    converter's user would read it as something gone wrong."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def load_tensors(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` as a full CPU tensor, in one process (no process group)."""
-    meta = read_metadata(Path(path))
-    template = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-                if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    with single_process():
-        dcp.load(template, checkpoint_id=str(path), no_dist=True)
-    return {k[len(prefix):]: v for k, v in template.items()}
-
-
-def write_model_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], spec_name: str, args: Any) -> None:
-    """A model-only checkpoint from full tensors in one process (converters, seed files)."""
-    tmp = Path(f"{path}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with single_process():
-        dcp.save({"model": state_dict}, checkpoint_id=str(tmp), no_dist=True)
-    _commit(tmp, Path(path), {"model": spec_name, "args": dataclasses.asdict(args), "model_only": True})
 
 
 def _reason(e: BaseException) -> str:
@@ -184,15 +121,6 @@ def _reason(e: BaseException) -> str:
         stack += [x for x in (err.__cause__, err.__context__) if x is not None and x not in seen]
     text = str(seen[-1]).strip()
     return text.splitlines()[0] if text else type(seen[-1]).__name__
-
-
-def _commit(tmp: Path, final: Path, info: dict[str, Any]) -> None:
-    (tmp / INFO).write_text(json.dumps(info, indent=2))
-    if final.exists():  # re-saving a step (after load_step went back): the old copy becomes litter
-        old = final.with_name(final.name + ".old.tmp")
-        final.rename(old)
-        shutil.rmtree(old)
-    tmp.rename(final)  # atomic on POSIX: the folder appears whole or not at all
 
 
 def complete_steps(root: Path, warn: bool = True) -> list[int]:
@@ -275,8 +203,12 @@ class CheckpointManager:
                  loader: StatefulDataLoader, data: Data, seq_len: int, global_batch_size: int, spec: ModelSpec,
                  args: Any, final_step: int, tied: tuple[tuple[str, ...], ...] = (),
                  writer_group: Callable[[], dist.ProcessGroup] = lambda: dist.new_group(backend="gloo"),
-                 transformed: Transformed | None = None) -> None:
+                 transformed: Transformed | None = None, config: dict[str, Any] | None = None,
+                 layout: str = "") -> None:
+        """`config`: the job's (titanlite.checkpoint.resume.flat_config), recorded and compared on
+        resume; `layout`: names what each rank's random draws depend on (the parallel degrees)."""
         self.cfg, self.parts, self.spec, self.args, self.final_step = cfg, parts, spec, args, final_step
+        self.config, self.layout = config or {}, layout
         self.transformed = transformed
         # with frozen weights (LoRA) a checkpoint holds what trains; the initial weights give the rest
         self.frozen = any(not p.requires_grad for part in parts for p in part.parameters())
@@ -287,10 +219,12 @@ class CheckpointManager:
         self.data = DataState(loader, data, seq_len, global_batch_size)
         self.optional = {"skipped_samples": SkippedSamples(loader)}  # saved by some runs only (see maybe_save)
         self.seq_len = seq_len
+        self.rank = dist.get_rank()
+        # loaded in this order: the optimizer's settings first, then the schedule sets their lr
         self.states = {"model": ModelState(parts, trained if self.frozen else None), "optimizer": OptimizerState(optimizers, tied),
                        "lr_scheduler": SchedulerState(optimizers.schedulers), "dataloader": self.data,
-                       "train_state": self.train_state, "rng": RngState(torch.cuda.is_available())}
-        self.rank = dist.get_rank()
+                       "train_state": self.train_state,
+                       "rng": RngState(torch.cuda.is_available(), f"{layout}_rank{self.rank}")}
         self.pending: tuple[Path, Path, dict, Any] | None = None
         self._loaded_step = self._loaded_tokens = self._loaded_samples = 0
         self.pg = self.stager = None
@@ -368,22 +302,28 @@ class CheckpointManager:
             if self.rank == 0:
                 print(f"titanlite: initial weights from {path} (model only)", flush=True)
             return 0
-        check_run_kind(path, read_info(path), self.transformed is not None and "lora" in self.transformed.record)
+        info = read_info(path)
+        check_run_kind(path, info, self.transformed is not None and "lora" in self.transformed.record)
         meta = self._check_saved(path, self.states["model"])
-        saved, mine = read_info(path).get("transform", {}), {} if self.transformed is None else self.transformed.record
+        saved, mine = info.get("transform", {}), {} if self.transformed is None else self.transformed.record
         for key in sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k)):
             raise ConfigError(f"{path} was saved with {key} {saved.get(key)}, but this run has {mine.get(key)}: it would "
                               "resume another run's training; restore those settings, or give this run its own "
                               "job.dump_folder")
         self.data.check_saved(meta.state_dict_metadata)
-        states = {k: v for k, v in self.states.items() if k not in self.optional}
-        if "rng.cuda" not in meta.state_dict_metadata:
-            states["rng"] = RngState(cuda=False)  # saved on CPU: CUDA keeps this run's seeded state
+        rng = self.states["rng"].fitting(meta.state_dict_metadata)  # None: another layout's generators
+        states = {k: v for k, v in self.states.items() if k not in self.optional and k != "rng"}
         # absent (a run without ranges, on_spike off): no ranges, a spike window that fills anew
         states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
-        _read(states, path)
+        check_state_fits(path, meta, states, info.get("config", {}), self.config)  # a config's difference, not a break
+        _read({**states, **({"rng": rng} if rng is not None else {})}, path)
+        self.data.align(self.train_state.step)
         if self.rank == 0 and say:
-            print(f"titanlite: resumed from {path} ({self.train_state.tokens_seen:,} tokens seen)", flush=True)
+            print(resumed_line(path, self.train_state.tokens_seen, self.train_state.step,
+                               self.states["optimizer"].optimizers.lr, self.states["lr_scheduler"].saved_lr,
+                               changes(info.get("config", {}), self.config)), flush=True)
+        if self.rank == 0 and rng is None:
+            print(another_layout(path, meta.state_dict_metadata, self.layout), flush=True)
         return self.train_state.step
 
     def _check_saved(self, path: Path, model: ModelState) -> Metadata:
@@ -407,7 +347,7 @@ class CheckpointManager:
     def _info(self, step: int, model_only: bool, **extra: Any) -> dict[str, Any]:
         record = {} if self.transformed is None else {"transform": self.transformed.record}
         return {"step": step, "model": self.spec.name, "args": dataclasses.asdict(self.args),
-                "model_only": model_only, **record, **extra}
+                "model_only": model_only, **record, **({} if model_only else {"config": self.config}), **extra}
 
     def wait_for_staging(self) -> None:
         """Call before optimizer.step(): an async save must have copied the weights it writes."""
@@ -425,7 +365,7 @@ class CheckpointManager:
         try:
             upload.result()  # re-raises a failed write
             if self.rank == 0:
-                _commit(tmp, final, info)
+                commit(tmp, final, info)
                 self._prune()
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             self._save_failed(tmp, final, e)
@@ -447,6 +387,16 @@ class CheckpointManager:
         if self.due(step) or force:
             self._save(step)
 
+    def past_the_end(self, step: int) -> None:
+        """Says that a resumed checkpoint is at or past the last step (training.steps): nothing to
+        train; the run's end (titanlite.train.end_of_run) still writes the exports it asks for."""
+        asked = [what for what, on in (("the PEFT adapter", self.transformed and self.transformed.final),
+                                       (f"export-step-{step}", self.cfg.export_dtype)) if on]
+        writing = f"; writing {' and '.join(asked)}" if asked else ""
+        if self.rank == 0:
+            print(f"titanlite: the checkpoint of step {step} is at or past training.steps {self.final_step}: nothing "
+                  f"to train (raise training.steps to train on){writing}", flush=True)
+
     def _save(self, step: int) -> None:
         self._finish_pending(block=True)  # one save in flight at a time
         tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
@@ -461,7 +411,7 @@ class CheckpointManager:
             else:
                 dcp.save(self.states, checkpoint_id=str(tmp))
                 if self.rank == 0:
-                    _commit(tmp, final, info)
+                    commit(tmp, final, info)
                     self._prune()
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             self._save_failed(tmp, final, e)
@@ -487,14 +437,14 @@ class CheckpointManager:
         tmp, final = self.root / f"export-step-{step}.tmp", self.root / f"export-step-{step}"
         dcp.save({"model": sd}, checkpoint_id=str(tmp))
         if self.rank == 0:
-            _commit(tmp, final, self._info(step, model_only=True, dtype=str(dtype).removeprefix("torch.")))
+            commit(tmp, final, self._info(step, model_only=True, dtype=str(dtype).removeprefix("torch.")))
 
     def save_seed(self) -> None:
         """Step 0, model only: the initial weights for runs on any layout."""
         tmp, final = self.root / "step-0.tmp", self.root / "step-0"
         dcp.save({"model": self.states["model"]}, checkpoint_id=str(tmp))
         if self.rank == 0:
-            _commit(tmp, final, self._info(0, model_only=True))
+            commit(tmp, final, self._info(0, model_only=True))
             print(f"titanlite: seed checkpoint written to {final}", flush=True)
 
     def _prune(self) -> None:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from titanlite.checkpoint.dcp import load_tensors, model_shapes
+from titanlite.checkpoint.dcp import model_shapes
+from titanlite.checkpoint.folder import load_tensors
 from titanlite.checkpoint.hf import HFAdapter
 from titanlite.checkpoint.peft import HFLayouts, from_peft, hf_names, to_peft, write_peft
 from titanlite.checkpoint.state import ModelState, Transformed

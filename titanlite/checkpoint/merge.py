@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from titanlite.checkpoint.dcp import IDENTITY, INFO, single_process
+from titanlite.checkpoint.dcp import IDENTITY
+from titanlite.checkpoint.folder import INFO, single_process
 from titanlite.layers.lora import LoRASetup
 from titanlite.checkpoint.state import ModelState
 from titanlite.config.job import Checkpoint

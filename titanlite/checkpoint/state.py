@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
@@ -101,16 +102,24 @@ class OptimizerState:
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """The saved moments, under this run's settings: every param group's hyperparameters (lr,
+        betas, eps, weight decay, Muon's momentum) stay the config's, as built (the saved ones
+        would overwrite them); SchedulerState sets the lr of the step to come."""
         o = self.optimizers
         for part, opt in zip(o.parts, o.optimizers):
             renames = self._renames(part)
             view = {**sd, **{mine + k[len(saved):]: v for mine, saved in renames.items()
                              for k, v in sd.items() if k.startswith(saved)}}
+            config = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             set_optimizer_state_dict(part, opt, view, options=_FLAT)
+            for group, settings in zip(opt.param_groups, config):
+                group.update(settings)
 
 
 class SchedulerState:
-    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config.
+    """LambdaLR's counters (the same for every part); the lambda itself is rebuilt from the config,
+    and loading sets the lr of the step to come from it: a run resumed with another schedule
+    (training.steps, optimizer.lr, lr_scheduler.*, a warm-up) runs the new one from its first step.
     Every param group of every part follows one schedule, so the per-group lists are saved as one
     value: the number of groups depends on the layout (one per mesh, see optim.by_mesh)."""
 
@@ -118,6 +127,8 @@ class SchedulerState:
 
     def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
         self.schedulers = schedulers
+        self.saved_lr: float | None = None
+        """The lr the checkpoint's schedule gave the step to come."""
 
     def state_dict(self) -> dict[str, Any]:
         sd = {k: v for k, v in self.schedulers[0].state_dict().items() if k not in self._PER_GROUP}
@@ -125,12 +136,18 @@ class SchedulerState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         sd = dict(sd)
-        last_lr = sd.pop("last_lr", None)
+        self.saved_lr = sd.pop("last_lr", None)
         if "_last_lr" in sd:  # written before the lists were folded
-            last_lr = sd["_last_lr"][0]
+            self.saved_lr = sd["_last_lr"][0]
         sd = {k: v for k, v in sd.items() if k not in self._PER_GROUP}
         for sched in self.schedulers:
-            sched.load_state_dict({**sched.state_dict(), **sd, "_last_lr": [last_lr] * len(sched.base_lrs)})
+            # one count back, then step(): LambdaLR sets each group's lr from the config's
+            # schedule, as an uninterrupted run's step() does (the saved lr was the old schedule's)
+            sched.load_state_dict({**sched.state_dict(), **sd, "last_epoch": sd["last_epoch"] - 1,
+                                   "_step_count": sd["_step_count"] - 1})
+            with warnings.catch_warnings():  # no optimizer step yet in this process, rightly
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                sched.step()
 
 
 class DataState:
@@ -156,6 +173,12 @@ class DataState:
         if self.schedule is None or not self.schedule.warms_up:
             return (step - after) * self.global_batch_size
         return self.schedule.samples_before(step + 1) - self.schedule.samples_before(after + 1)
+
+    def align(self, step: int) -> None:
+        """After loading step `step`: the sampler's count of steps read (the cursor over this run's
+        global batch) against the trainer's steps, which differ after a change of batch size."""
+        if self.schedule is not None:
+            self.loader.batch_sampler.offset = self.loader.batch_sampler.global_batch - step
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"samples_seen": self.samples_seen, "order": self.order}
@@ -236,16 +259,32 @@ class TrainState:
 
 
 class RngState:
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    """This rank's generator states (CPU, and CUDA where there is one) under keys naming `key` (the
+    layout and the rank): ranks draw different amounts (dropout in unequal pipeline stages), so
+    each restores its own, not one copy for all."""
+
+    def __init__(self, cuda: bool, key: str) -> None:
+        self.cuda, self.key = cuda, key
+
+    def _name(self, device: str) -> str:
+        return f"{device}_{self.key}" if self.key else device  # no key: one copy (older checkpoints)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {"cpu": torch.get_rng_state()}
+        sd = {self._name("cpu"): torch.get_rng_state()}
         if self.cuda:
-            sd["cuda"] = torch.cuda.get_rng_state()
+            sd[self._name("cuda")] = torch.cuda.get_rng_state()
         return sd
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(sd["cpu"])
+        torch.set_rng_state(sd[self._name("cpu")])
         if self.cuda:
-            torch.cuda.set_rng_state(sd["cuda"])
+            torch.cuda.set_rng_state(sd[self._name("cuda")])
+
+    def fitting(self, saved: Collection[str]) -> RngState | None:
+        """What this rank restores of a checkpoint's generators (`saved`: its keys): its own, or the
+        one copy of a checkpoint written before ranks kept their own; None: another layout's. Saved
+        without CUDA, the CUDA generator keeps this run's seeded state."""
+        for key in (self.key, ""):
+            if f"rng.{RngState(False, key)._name('cpu')}" in saved:
+                return RngState(self.cuda and f"rng.{RngState(False, key)._name('cuda')}" in saved, key)
+        return None

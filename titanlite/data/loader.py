@@ -168,6 +168,9 @@ class GlobalBatchSampler:
         G = self.global_batch_size = self.schedule.final.samples
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.global_batch, self.micro_batch = 0, 0
+        self.offset = 0
+        """The steps read less the trainer's: a run resumed with another global batch size goes on
+        from the saved sample cursor, so its step n is not the n-th step of this batch size."""
         self.skip: tuple[tuple[int, int], ...] = ()
         self.grid = 1 if self.schedule.warms_up else G  # what a range is widened to, when it is set
         self.set_skip(tuple((a // G * G, -(-b // G) * G) for a, b in skip) if self.schedule.warms_up else skip)
@@ -191,10 +194,14 @@ class GlobalBatchSampler:
             n += b - a
         return n
 
+    def first_sample(self, step: int) -> int:
+        """The global sample the trainer's step `step` (1-based) reads first."""
+        return self.position(self.schedule.samples_before(step + self.offset))
+
     def sample_range(self, first: int, last: int) -> tuple[int, int]:
-        """[start, end) of the global samples that steps first..last (the 1-based steps read) read."""
-        return (self.position(self.schedule.samples_before(first)),
-                self.position(self.schedule.samples_before(last + 1) - 1) + 1)
+        """[start, end) of the global samples that the trainer's steps first..last read."""
+        return (self.first_sample(first),
+                self.position(self.schedule.samples_before(last + 1 + self.offset) - 1) + 1)
 
     def micro_batches(self, n: int, part: int = 0, parts: int = 1, dp_rank: int | None = None) -> list[list]:
         """This rank's (or data-parallel rank `dp_rank`'s) micro-batches of the n-th step read

@@ -16,8 +16,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 import titanlite
-from titanlite.checkpoint import dcp
-from titanlite.checkpoint.dcp import INFO, read_info
+from titanlite.checkpoint.folder import INFO, read_info, saved_args
 from titanlite.checkpoint.hf import read_config
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
@@ -96,7 +95,7 @@ def read_model_args(path: Path, fmt: str, name: str = "") -> tuple[ModelSpec, An
         return spec, spec.hf.args_from_hf(read_config(path))
     info = read_info(path)
     spec = get_model_spec(info["model"])
-    return spec, dcp.saved_args(list(spec.flavors.values()), info["args"])
+    return spec, saved_args(list(spec.flavors.values()), info["args"])
 
 
 def check_tp_degree(args: Any, tp: int) -> None:

@@ -52,6 +52,7 @@ class Optimizers:
         return self.schedulers[0].get_last_lr()[0]
 
 
+
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Tensors split by DTensor mesh: one foreach or fused op takes one mesh, and expert-parallel
     experts live on another mesh than the dense weights."""
@@ -121,7 +122,9 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
         return (step + 1) / (warmup + 1)
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = (step - decay_start + 1) / decay_steps
+    # past the schedule's end (a run extended on resume computes the old end's next value) it
+    # holds its last value: a linear decay would go below zero there
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
     if cfg.decay_type == "cosine":
         shape = 0.5 * (1 + math.cos(math.pi * progress))
     else:

@@ -58,6 +58,11 @@ class ParallelDims:
         return ParallelDims(r, s, c, t, pp=p, ep=e)
 
     @property
+    def layout(self) -> str:
+        """The degrees as a name (a checkpoint keys each rank's random generators by it)."""
+        return f"pp{self.pp}_dpr{self.dp_replicate}_dps{self.dp_shard}_cp{self.cp}_tp{self.tp}_ep{self.ep}"
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree: how many different slices of each global batch exist."""
         return self.dp_replicate * self.dp_shard

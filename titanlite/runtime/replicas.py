@@ -145,7 +145,7 @@ class Replicas:
         its own share within the group."""
         data = self.loader.dataset
         return [default_collate([data[g] for g in rows])
-                for rows in self.loader.batch_sampler.micro_batches(step - 1, self.rank, self.size)]
+                for rows in self.loader.batch_sampler.micro_batches(self.loader.batch_sampler.offset + step - 1, self.rank, self.size)]
 
     def count(self, n_targets: torch.Tensor) -> None:
         """The target-token count summed over the quorum, in place (the group's is summed already)."""
