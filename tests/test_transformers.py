@@ -273,6 +273,11 @@ SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
      r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig(.s layers.\*.mlp.experts is in no base_model_tp_plan "
      r"entry but sees one rank's share of mlp|.base_model_tp_plan entry 'layers.\*.mlp.experts.gate_up_proj': "
      r"'packed_colwise' is not a style titanlite applies.*); train it with tensor_parallel_degree 1"),
+    (["--model.hf_config", "mixtral", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,intermediate_size=64,"
+      "num_local_experts=4,num_attention_heads=4,num_key_value_heads=2,vocab_size=512,output_router_logits=true"],
+     r"MixtralForCausalLM sets output_router_logits .*; set model.hf_overrides output_router_logits=false"),
+    (["--model.flavor", "debug_qwen3_moe", "--moe.aux_loss_coeff", "0.01"],
+     r"the \[moe\] keys set titanlite's MoE layers; .* is not trained by titanlite"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
      r"expert_parallel_degree 2: expert parallelism shards titanlite's MoE layers"),
     (["--model.flavor", "debug_granite", "--parallelism.pipeline_parallel_degree", "2"],

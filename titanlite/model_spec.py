@@ -165,6 +165,10 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
     if moe is not None and getattr(args, "moe", None) is not None:  # a family may have dense flavors (None)
         updates["moe"] = dataclasses.replace(args.moe, aux_loss_coeff=moe.aux_loss_coeff,
                                              bias_update_rate=moe.bias_update_rate, grouped_mm=moe.grouped_mm)
+    elif moe is not None and moe != type(moe)() and spec.from_hf_config is not None:
+        raise ConfigError("the [moe] keys set titanlite's MoE layers; a transformers model's experts are its own, and "
+                          "their load-balancing loss (router_aux_loss_coef with output_router_logits) is not trained "
+                          "by titanlite: leave the [moe] keys at their defaults")
     elif moe is not None and moe != type(moe)():
         raise ConfigError(f"the [moe] keys apply to mixture-of-experts models; {spec.name} {flavor} has no experts")
     return dataclasses.replace(args, **updates)

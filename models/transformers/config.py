@@ -147,6 +147,14 @@ def check_model(args: ModelArgs) -> None:
             raise ConfigError(f"model.hf_config: {name}'s {path} soft-caps its attention logits "
                               f"(attn_logit_softcapping {module.attn_logit_softcapping}), which titanlite's attention "
                               "does not compute; set model.hf_overrides attn_logit_softcapping=null")
+    config = json.loads(args.config)
+    if config.get("output_router_logits"):
+        # its loss is in the model's output, which titanlite's step does not read (it reads the logits)
+        raise ConfigError(f"model.hf_config: {name} sets output_router_logits (a load-balancing loss, "
+                          f"router_aux_loss_coef {config.get('router_aux_loss_coef')}), which titanlite does not train "
+                          "for the transformers family; set model.hf_overrides output_router_logits=false to train on "
+                          "cross-entropy alone (as transformers does with it off), or use a native MoE family's "
+                          "moe.aux_loss_coeff")
     windows = tuple({args.window(i) for i in range(args.n_layers)})
     tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
     watch = DropoutWatch(model)
@@ -164,7 +172,7 @@ def check_model(args: ModelArgs) -> None:
         pass  # an operation meta tensors cannot run (a MoE's routing): the first real forward checks the rest
     finally:
         watch.remove()
-    check_dropout(name, json.loads(args.config), watch.seen, complete)
+    check_dropout(name, config, watch.seen, complete)
 
 
 DROPOUT_KEYS = ("dropout", "pdrop")
