@@ -31,3 +31,13 @@ def fork(tmp_path, monkeypatch):
     yield make
     for name in [m for m in sys.modules if any(m.startswith(f"titanlite.models.{n}") for n in made)]:
         del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def stderr_restored():
+    """A test that runs the trainer in process leaves stderr routed to its run's log
+    (titanlite.runtime.console.quiet): give the next test the console back."""
+    yield
+    from titanlite.runtime import console
+
+    console.restore()

@@ -90,8 +90,9 @@ def test_pp_cp_checkpoint_resumes_on_other_pp_and_ep_degrees(layout, pp_cp, tmp_
     shutil.copytree(pp_cp.dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     run = train(nproc, [*DSV3, *args, *CHECKPOINT], dump=tmp_path, env={"TITANLITE_TEST_HOOK": "resave"},
                 module="tests.ckpt_hooks")
-    saved, loaded = (load_tensors(d / "step-5", "") for d in (pp_cp.dump / "checkpoint",
-                                                                   tmp_path / "checkpoint-resaved"))
+    # each rank's generators aside: they are keyed by the layout, and another layout's differ
+    saved, loaded = ({k: v for k, v in load_tensors(d / "step-5", "").items() if not k.startswith("rng.")}
+                     for d in (pp_cp.dump / "checkpoint", tmp_path / "checkpoint-resaved"))
     assert saved.keys() == loaded.keys(), sorted(set(saved) ^ set(loaded))
     assert saved["model.mtp.0.block.moe.router.expert_bias"].abs().sum() > 0
     assert any(k.startswith("optimizer.state.mtp.0.") for k in saved)

@@ -272,10 +272,15 @@ def test_resume_is_bitwise_and_a_checkpoint_holds_the_adapter_only(layouts):
         assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]], dump
     dump = layouts["dumps"]["fsdp2"]
     step5 = dump / "checkpoint" / "step-5"
-    for extra in (["--checkpoint.enable", "true", "--checkpoint.load_step", "5"], ["--checkpoint.initial_load_path", str(step5)]):
+    # resumed: the run's kind is named (checkpoint.state.check_run_kind); as initial weights: the adapters
+    for extra, expect in ((["--checkpoint.enable", "true", "--checkpoint.load_step", "5"],
+                           rf"resuming {step5}: that checkpoint is a LoRA run's \(it holds the adapters only\), and this "
+                           r"run trains every weight \(lora.rank 0\)"),
+                          (["--checkpoint.initial_load_path", str(step5)],
+                           rf"{step5} is a LoRA run's checkpoint \(lora.rank 4, 20 adapted layers\): it holds the "
+                           "adapters, not the model's weights")):
         cfg, _ = config_load.load([*TINY, "--training.local_batch_size", "8", "--job.dump_folder", str(dump), *extra])
-        with pytest.raises(ConfigError, match=rf"{step5} is a LoRA run's checkpoint \(lora.rank 4, 20 adapted layers\): "
-                                              "it holds the adapters, not the model's weights"):
+        with pytest.raises(ConfigError, match=expect):
             preflight(cfg, 1)
     a, b = load_file(dump / "peft" / "adapter_model.safetensors"), load_file(dump / "peft_resumed" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
