@@ -71,6 +71,29 @@ cross_entropy_sum = chunked(_token_loss_sum)
 """Sum of the per-token losses over targets that are not IGNORE_INDEX, as a plain tensor."""
 
 
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) of each token in float32, 0 where the label is IGNORE_INDEX, shaped as `labels`,
+    a plain tensor with its autograd graph. What evaluation, preference and RL losses sum: the
+    negated per-token cross-entropy, so it equals the training loss's terms to the bit. Under loss
+    parallel (vocab-sharded DTensor logits) call it inside loss_context(True); every
+    tensor-parallel rank gets the same values without gathering the vocabulary."""
+    lp = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                          ignore_index=IGNORE_INDEX)
+    return _plain(lp).view(labels.shape)
+
+
+def segment_sums(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:
+    """Sums of `values` by segment: out[k] = sum of values where segments == k, for k < n;
+    positions whose segment is negative count nowhere. A packed row's responses (a preference
+    pair's chosen and rejected, an RL completion, an evaluation's continuation) each get their
+    own segment id, so their log-probabilities are summed without touching padding or prompts.
+    On a context-parallel or data-parallel shard, the sums of this rank's tokens: all-reduce
+    them over the group that holds the rest."""
+    keep = segments >= 0
+    out = torch.zeros(n, dtype=values.dtype, device=values.device)
+    return out.index_add(0, segments[keep], values[keep])
+
+
 class _LogSumExpOverShards(torch.autograd.Function):
     """logsumexp over the last dimension of vocab-sharded logits: each rank's shard, its max and
     its sum of exponentials all-reduced over `group`. Backward is softmax on this rank's shard,

@@ -13,9 +13,10 @@ and the single-device math (LoRALinear).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,8 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Linear
     scale: float
     dropout: float
+    off: bool = False
+    """True inside adapters_off: the layer is its base linear, bit for bit."""
 
     @classmethod
     def adapt(cls, linear: nn.Linear, rank: int, scale: float, dropout: float) -> LoRALinear:
@@ -93,6 +96,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
+        if self.off:
+            return base
         # the scale on the rank-r activations, not on B's output: one elementwise pass over a
         # tensor of the layer's full width fewer, in forward and in backward (eager steps are
         # memory-bound there: the dry run put eager LoRA on Llama 3 8B at 9% slower than full
@@ -188,3 +193,18 @@ def apply_lora(model: nn.Module, setup: LoRASetup) -> None:
     own = {f"{t}.lora_{x}.weight" for t in setup.targets for x in "AB"}
     for name, p in model.named_parameters():
         p.requires_grad_(name in own or any(name.startswith(f + ".") for f in setup.full))
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within: every adapted layer of `model` computes its base linear alone (no adapter, no
+    dropout draw), bit-identical to the model before LoRA. A LoRA run's reference model
+    (preference optimization, RL's KL term) is the same model inside this, with no second copy."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.off = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.off = False
