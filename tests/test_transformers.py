@@ -354,3 +354,20 @@ def test_the_dry_run_traces_transformers_llama_as_native_llama3():
     assert ours.comms == native.comms and ours.flops == native.flops
     for phase, peak in native.peaks.items():
         assert abs(ours.peaks[phase]["total"] - peak["total"]) <= 0.1 * peak["total"], phase
+
+
+def test_the_dry_run_plans_every_transformers_moe():
+    """transformers' experts run as transformers runs them (its grouped_mm, not the eager loop whose
+    .nonzero() has a data-dependent shape): the class reads as transformers' own (not custom
+    code) and the dry run traces each debug MoE at the default job's sequence length."""
+    from titanlite.config import load as config
+    from titanlite.dryrun.run import dry_run
+
+    for flavor in ("debug_qwen3_moe", "debug_mixtral"):
+        args = SPEC.flavors[flavor]
+        ours, ref = _titanlite(args), _reference(args)
+        assert ours.config._experts_implementation == ref.config._experts_implementation == "grouped_mm", flavor
+        assert not type(ours).is_custom_code(), flavor
+        cfg, _ = config.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len", "256",
+                              "--training.local_batch_size", "1"])
+        assert dry_run(cfg, 1)["_roles"][0].flops > 0, flavor

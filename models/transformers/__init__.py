@@ -19,7 +19,7 @@ from .model import ModelArgs, build, hf_config
 from .parallelize import check_layout, tp_plan
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=512, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            head_dim=16, vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 """The sizes of the debug flavors: a few hundred thousand parameters."""
 _SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 DEBUG = {

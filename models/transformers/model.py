@@ -83,8 +83,13 @@ def build(args: ModelArgs) -> nn.Module:
 
 @cache
 def titanlite_class(base: type[nn.Module]) -> type[nn.Module]:
-    """`base` with CausalLM mixed in (one class per architecture, made once)."""
-    return type(f"Titanlite{base.__name__}", (CausalLM, base), {"__module__": __name__})
+    """`base` with CausalLM mixed in (one class per architecture, made once), declared in `base`'s
+    module: transformers reads the module a class is defined in to decide what the class may do
+    (PreTrainedModel.is_custom_code, which keeps a custom class from its checkpoint conversion;
+    whether it may choose its experts implementation). Declared in this module, a MoE would run the
+    eager experts loop (a .nonzero() of data-dependent shape, which the dry run cannot trace)
+    where transformers runs `base` with its default, grouped_mm."""
+    return type(f"Titanlite{base.__name__}", (CausalLM, base), {"__module__": base.__module__})
 
 
 @cache
