@@ -25,7 +25,7 @@ from harness import REPO, spawn_ranks
 from titanlite.errors import ConfigError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import ExtraLosses, cross_entropy_sum
 from titanlite.model_spec import get_model_spec
 
 transformers = pytest.importorskip("transformers")
@@ -75,11 +75,18 @@ def test_every_architecture_equals_transformers():
         for name, buf in model.named_buffers():
             assert torch.equal(buf, want[name]), (flavor, name)
             assert "inv_freq" not in name or buf.abs().min() > 0, (flavor, name)
-        out = ref(input_ids=tokens, labels=tokens)  # transformers shifts the labels itself
-        out.loss.backward()
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        loss = cross_entropy_sum(model(inputs, AttnContext()), labels) / labels.numel()
-        loss.backward()
+        # the same 32 rows both ways (a load-balancing loss counts rows, not targets): transformers'
+        # shift_labels are the targets as given
+        out = ref(input_ids=inputs, labels=inputs, shift_labels=labels.contiguous())
+        out.loss.backward()
+        extra = ExtraLosses()  # as a training step runs it: Mixtral's load-balancing loss joins the loss
+        extra.bind([model])
+        with extra.collect(torch.tensor(float(labels.numel()))) as terms:
+            loss = cross_entropy_sum(model(inputs, AttnContext()), labels) / labels.numel()
+            loss.backward()
+        assert ("moe_aux_loss" in terms) == (flavor == "debug_mixtral"), flavor
+        loss = loss + sum(terms.values()) / labels.numel()
         assert abs(loss.item() - out.loss.item()) <= 1e-6 * out.loss.item(), (flavor, loss.item(), out.loss.item())
         grads = dict(ref.named_parameters())
         for name, p in model.named_parameters():
@@ -273,11 +280,12 @@ SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
      r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig(.s layers.\*.mlp.experts is in no base_model_tp_plan "
      r"entry but sees one rank's share of mlp|.base_model_tp_plan entry 'layers.\*.mlp.experts.gate_up_proj': "
      r"'packed_colwise' is not a style titanlite applies.*); train it with tensor_parallel_degree 1"),
-    (["--model.hf_config", "mixtral", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,intermediate_size=64,"
-      "num_local_experts=4,num_attention_heads=4,num_key_value_heads=2,vocab_size=512,output_router_logits=true"],
-     r"MixtralForCausalLM sets output_router_logits .*; set model.hf_overrides output_router_logits=false"),
+    (["--model.flavor", "debug_mixtral", "--parallelism.pipeline_parallel_degree", "2"],
+     r"pipeline_parallel_degree 2: MixtralConfig's load-balancing loss \(output_router_logits\) couples the routing "
+     r"of every layer.*output_router_logits=false$"),
     (["--model.flavor", "debug_qwen3_moe", "--moe.aux_loss_coeff", "0.01"],
-     r"the \[moe\] keys set titanlite's MoE layers; .* is not trained by titanlite"),
+     r"the \[moe\] keys set titanlite's MoE layers; .* set model.hf_overrides output_router_logits=true,"
+     r"router_aux_loss_coef=COEF$"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
      r"expert_parallel_degree 2: expert parallelism shards titanlite's MoE layers"),
     (["--model.flavor", "debug_granite", "--parallelism.pipeline_parallel_degree", "2"],
@@ -371,3 +379,7 @@ def test_the_dry_run_plans_every_transformers_moe():
         cfg, _ = config.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len", "256",
                               "--training.local_batch_size", "1"])
         assert dry_run(cfg, 1)["_roles"][0].flops > 0, flavor
+    # Qwen3-MoE's default coefficient with router logits off trains nothing, which the run's start says
+    assert "router_aux_loss_coef 0.001 with output_router_logits false: no auxiliary" in SPEC.notes(args=SPEC.flavors[
+        "debug_qwen3_moe"])[0]
+    assert SPEC.notes(SPEC.flavors["debug_mixtral"]) == SPEC.notes(SPEC.flavors["debug_llama"]) == ()

@@ -72,4 +72,5 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
     return args_from_config(resolve_dict(cfg, "config.json"))
 
 
-ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf)
+ADAPTER = HFAdapter(to_hf=to_hf, from_hf=from_hf, config_to_hf=config_to_hf, args_from_hf=args_from_hf,
+                    training=("output_router_logits", "router_aux_loss_coef"))
