@@ -186,17 +186,34 @@ def test_a_saved_model_loads_through_its_folder_with_transformers_logits(saved):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
-def test_a_folder_transformers_converts_on_load_is_refused_in_one_line(tmp_path):
-    """transformers saves Qwen3-MoE's experts one by one and fuses them as it loads: the folder's
-    names are not the model's, which the refusal says."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_moe_folder_as_save_pretrained_writes_it_loads_and_exports_back(model_type, tmp_path):
+    """save_pretrained keeps the experts one by one, as the published folders do (Mixtral's under
+    its old block_sparse_moe.experts.N.w1/w2/w3 names); transformers fuses them as it loads. The
+    family loads the folder through transformers' own conversion, one block at a time, with
+    from_pretrained's logits, and exports the folder's names and tensors back."""
+    from titanlite.checkpoint.dcp import load_hf_weights, model_shapes
     from titanlite.checkpoint.hf import read_safetensors
-    from titanlite.models.transformers.model import causal_lm_class, hf_config
+    from titanlite.model_spec import model_args
+    from titanlite.models.transformers import DEBUG, TINY
 
-    args = SPEC.flavors["debug_qwen3_moe"]
-    causal_lm_class(hf_config(args))(hf_config(args)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.0.down_proj.weight' has no place in "
-                                          r"Qwen3MoeForCausalLM .* transformers converts qwen3_moe's saved weights"):
-        SPEC.hf.from_hf(read_safetensors(tmp_path, meta=True), args)
+    config = AutoConfig.for_model(model_type, **{**TINY, **DEBUG[model_type]})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    saved = read_safetensors(tmp_path)
+    assert any(".experts.3." in k for k in saved) and not any(k.endswith(".experts.down_proj") for k in saved)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    args = model_args(SPEC, "debugmodel", 0, 32, hf_config=str(tmp_path))
+    model = _titanlite(args, seed=7)
+    assert load_hf_weights([model], tmp_path, SPEC.hf, args, model_shapes(SPEC, args)) == []
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(input_ids=tokens).logits, model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    exported = SPEC.hf.to_hf(model.state_dict(), args)
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    # a folder of the model's own (fused) names, as titanlite's earlier workaround wrote, loads too
+    assert SPEC.hf.from_hf(model.state_dict(), args).keys() == model.state_dict().keys()
 
 
 def test_activation_checkpointing_recomputes_a_transformers_layer():
