@@ -25,7 +25,7 @@ from harness import REPO, spawn_ranks
 from titanlite.errors import ConfigError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext
-from titanlite.loss import cross_entropy_sum
+from titanlite.loss import ExtraLosses, cross_entropy_sum
 from titanlite.model_spec import get_model_spec
 
 transformers = pytest.importorskip("transformers")
@@ -75,11 +75,18 @@ def test_every_architecture_equals_transformers():
         for name, buf in model.named_buffers():
             assert torch.equal(buf, want[name]), (flavor, name)
             assert "inv_freq" not in name or buf.abs().min() > 0, (flavor, name)
-        out = ref(input_ids=tokens, labels=tokens)  # transformers shifts the labels itself
-        out.loss.backward()
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        loss = cross_entropy_sum(model(inputs, AttnContext()), labels) / labels.numel()
-        loss.backward()
+        # the same 32 rows both ways (a load-balancing loss counts rows, not targets): transformers'
+        # shift_labels are the targets as given
+        out = ref(input_ids=inputs, labels=inputs, shift_labels=labels.contiguous())
+        out.loss.backward()
+        extra = ExtraLosses()  # as a training step runs it: Mixtral's load-balancing loss joins the loss
+        extra.bind([model])
+        with extra.collect(torch.tensor(float(labels.numel()))) as terms:
+            loss = cross_entropy_sum(model(inputs, AttnContext()), labels) / labels.numel()
+            loss.backward()
+        assert ("moe_aux_loss" in terms) == (flavor == "debug_mixtral"), flavor
+        loss = loss + sum(terms.values()) / labels.numel()
         assert abs(loss.item() - out.loss.item()) <= 1e-6 * out.loss.item(), (flavor, loss.item(), out.loss.item())
         grads = dict(ref.named_parameters())
         for name, p in model.named_parameters():
@@ -179,17 +186,34 @@ def test_a_saved_model_loads_through_its_folder_with_transformers_logits(saved):
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
 
 
-def test_a_folder_transformers_converts_on_load_is_refused_in_one_line(tmp_path):
-    """transformers saves Qwen3-MoE's experts one by one and fuses them as it loads: the folder's
-    names are not the model's, which the refusal says."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_moe_folder_as_save_pretrained_writes_it_loads_and_exports_back(model_type, tmp_path):
+    """save_pretrained keeps the experts one by one, as the published folders do (Mixtral's under
+    its old block_sparse_moe.experts.N.w1/w2/w3 names); transformers fuses them as it loads. The
+    family loads the folder through transformers' own conversion, one block at a time, with
+    from_pretrained's logits, and exports the folder's names and tensors back."""
+    from titanlite.checkpoint.dcp import load_hf_weights, model_shapes
     from titanlite.checkpoint.hf import read_safetensors
-    from titanlite.models.transformers.model import causal_lm_class, hf_config
+    from titanlite.model_spec import model_args
+    from titanlite.models.transformers import DEBUG, TINY
 
-    args = SPEC.flavors["debug_qwen3_moe"]
-    causal_lm_class(hf_config(args))(hf_config(args)).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.experts.0.down_proj.weight' has no place in "
-                                          r"Qwen3MoeForCausalLM .* transformers converts qwen3_moe's saved weights"):
-        SPEC.hf.from_hf(read_safetensors(tmp_path, meta=True), args)
+    config = AutoConfig.for_model(model_type, **{**TINY, **DEBUG[model_type]})
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    saved = read_safetensors(tmp_path)
+    assert any(".experts.3." in k for k in saved) and not any(k.endswith(".experts.down_proj") for k in saved)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    args = model_args(SPEC, "debugmodel", 0, 32, hf_config=str(tmp_path))
+    model = _titanlite(args, seed=7)
+    assert load_hf_weights([model], tmp_path, SPEC.hf, args, model_shapes(SPEC, args)) == []
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(input_ids=tokens).logits, model(tokens)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+    exported = SPEC.hf.to_hf(model.state_dict(), args)
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    # a folder of the model's own (fused) names, as titanlite's earlier workaround wrote, loads too
+    assert SPEC.hf.from_hf(model.state_dict(), args).keys() == model.state_dict().keys()
 
 
 def test_activation_checkpointing_recomputes_a_transformers_layer():
@@ -273,11 +297,12 @@ SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
      r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig(.s layers.\*.mlp.experts is in no base_model_tp_plan "
      r"entry but sees one rank's share of mlp|.base_model_tp_plan entry 'layers.\*.mlp.experts.gate_up_proj': "
      r"'packed_colwise' is not a style titanlite applies.*); train it with tensor_parallel_degree 1"),
-    (["--model.hf_config", "mixtral", "--model.hf_overrides", "num_hidden_layers=2,hidden_size=64,intermediate_size=64,"
-      "num_local_experts=4,num_attention_heads=4,num_key_value_heads=2,vocab_size=512,output_router_logits=true"],
-     r"MixtralForCausalLM sets output_router_logits .*; set model.hf_overrides output_router_logits=false"),
+    (["--model.flavor", "debug_mixtral", "--parallelism.pipeline_parallel_degree", "2"],
+     r"pipeline_parallel_degree 2: MixtralConfig's load-balancing loss \(output_router_logits\) couples the routing "
+     r"of every layer.*output_router_logits=false$"),
     (["--model.flavor", "debug_qwen3_moe", "--moe.aux_loss_coeff", "0.01"],
-     r"the \[moe\] keys set titanlite's MoE layers; .* is not trained by titanlite"),
+     r"the \[moe\] keys set titanlite's MoE layers; .* set model.hf_overrides output_router_logits=true,"
+     r"router_aux_loss_coef=COEF$"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
      r"expert_parallel_degree 2: expert parallelism shards titanlite's MoE layers"),
     (["--model.flavor", "debug_granite", "--parallelism.pipeline_parallel_degree", "2"],
@@ -354,3 +379,24 @@ def test_the_dry_run_traces_transformers_llama_as_native_llama3():
     assert ours.comms == native.comms and ours.flops == native.flops
     for phase, peak in native.peaks.items():
         assert abs(ours.peaks[phase]["total"] - peak["total"]) <= 0.1 * peak["total"], phase
+
+
+def test_the_dry_run_plans_every_transformers_moe():
+    """transformers' experts run as transformers runs them (its grouped_mm, not the eager loop whose
+    .nonzero() has a data-dependent shape): the class reads as transformers' own (not custom
+    code) and the dry run traces each debug MoE at the default job's sequence length."""
+    from titanlite.config import load as config
+    from titanlite.dryrun.run import dry_run
+
+    for flavor in ("debug_qwen3_moe", "debug_mixtral"):
+        args = SPEC.flavors[flavor]
+        ours, ref = _titanlite(args), _reference(args)
+        assert ours.config._experts_implementation == ref.config._experts_implementation == "grouped_mm", flavor
+        assert not type(ours).is_custom_code(), flavor
+        cfg, _ = config.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len", "256",
+                              "--training.local_batch_size", "1"])
+        assert dry_run(cfg, 1)["_roles"][0].flops > 0, flavor
+    # Qwen3-MoE's default coefficient with router logits off trains nothing, which the run's start says
+    assert "router_aux_loss_coef 0.001 with output_router_logits false: no auxiliary" in SPEC.notes(args=SPEC.flavors[
+        "debug_qwen3_moe"])[0]
+    assert SPEC.notes(SPEC.flavors["debug_mixtral"]) == SPEC.notes(SPEC.flavors["debug_llama"]) == ()

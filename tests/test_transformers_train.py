@@ -122,3 +122,33 @@ def test_a_checkpoint_of_another_transformers_config_is_refused(folder, straight
             preflight(cfg, 2)
     preflight(config_load.load([*job(folder, "--model.hf_overrides", "use_cache=false"), "--job.dump_folder",
                                 str(tmp_path)])[0], 2)
+
+
+def test_a_moe_trains_with_transformers_load_balancing_loss(tmp_path):
+    """A Qwen3-MoE folder as published configs ship it (router logits off, router_aux_loss_coef
+    0.001), trained with model.hf_overrides output_router_logits=true,router_aux_loss_coef=0.5 on
+    FSDP 2: step 1's loss plus its logged moe_aux_loss is transformers' own loss with router logits
+    on the global batch (the loads counted over both ranks' rows, as transformers counts them)."""
+    from safetensors.torch import save_file
+
+    from titanlite.models.transformers import DEBUG, TINY as SIZES
+
+    config = AutoConfig.for_model("qwen3_moe", **{**SIZES, **DEBUG["qwen3_moe"], "output_router_logits": True,
+                                                  "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    AutoConfig.for_model("qwen3_moe", **{**SIZES, **DEBUG["qwen3_moe"]}).save_pretrained(tmp_path / "hf")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "hf" / "model.safetensors")
+    run = train(2, [*TINY, "--model.name", "transformers", "--model.hf_config", str(tmp_path / "hf"),
+                    "--training.steps", "1", "--training.local_batch_size", "4", "--checkpoint.initial_load_path",
+                    str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf", "--model.hf_overrides",
+                    "output_router_logits=true,router_aux_loss_coef=0.5"], dump=tmp_path / "run")
+    loader = build_dataloader(Data(holdout_fraction=0.0), build_tokenizer("byte"), seq_len=64, global_batch_size=8,
+                              local_batch_size=8, dp_rank=0, dp_degree=1)
+    batch = next(iter(loader))
+    want = model(input_ids=batch["input_ids"], labels=batch["input_ids"], shift_labels=batch["labels"].contiguous(),
+                 output_router_logits=True)
+    row = run.metrics[0]
+    # to 1e-6, as every first-step loss: counted on each rank's rows alone, the term is 4e-5 off
+    assert abs(row["moe_aux_loss"] - 0.5 * want.aux_loss.item()) <= 1e-6 * want.aux_loss.item(), (row, want.aux_loss)
+    assert abs(row["loss"] + row["moe_aux_loss"] - want.loss.item()) <= 1e-6 * want.loss.item(), (row, want.loss)

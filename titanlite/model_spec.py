@@ -26,6 +26,10 @@ def _no_layout_checks(args: Any, dims: Any) -> None:
     return None
 
 
+def _no_notes(args: Any) -> tuple[str, ...]:
+    return ()
+
+
 def _no_hooks(parts: list[nn.Module], meshes: Any) -> list[Callable[[Any], Any]]:
     return []
 
@@ -64,6 +68,9 @@ class ModelSpec:
     """(a checkpoint's args as titanlite.json records them, this run's args) -> (the key to set,
     saved value, this run's) for each difference in what the model computes beyond the IDENTITY
     args (titanlite.checkpoint.dcp), which resume refuses; None: IDENTITY and shapes say it all."""
+    notes: Callable[[Any], tuple[str, ...]] = _no_notes
+    """ModelArgs -> lines the run prints at its start about how it trains the model (a setting of
+    the model's own config that the run does not train with)."""
     blocks: str = "layers"
     """Path (dotted) of the module holding the transformer blocks, whose children are the
     blocks "0".."n-1" in the order they run: an nn.ModuleDict (a pipeline stage deletes the
@@ -166,9 +173,9 @@ def model_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, moe:
         updates["moe"] = dataclasses.replace(args.moe, aux_loss_coeff=moe.aux_loss_coeff,
                                              bias_update_rate=moe.bias_update_rate, grouped_mm=moe.grouped_mm)
     elif moe is not None and moe != type(moe)() and spec.from_hf_config is not None:
-        raise ConfigError("the [moe] keys set titanlite's MoE layers; a transformers model's experts are its own, and "
-                          "their load-balancing loss (router_aux_loss_coef with output_router_logits) is not trained "
-                          "by titanlite: leave the [moe] keys at their defaults")
+        raise ConfigError("the [moe] keys set titanlite's MoE layers; a transformers model's experts and their "
+                          "load-balancing loss are its config's: leave the [moe] keys at their defaults and set "
+                          "model.hf_overrides output_router_logits=true,router_aux_loss_coef=COEF")
     elif moe is not None and moe != type(moe)():
         raise ConfigError(f"the [moe] keys apply to mixture-of-experts models; {spec.name} {flavor} has no experts")
     return dataclasses.replace(args, **updates)

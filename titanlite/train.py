@@ -288,6 +288,8 @@ def announce(cfg: JobConfig, plan: Plan, meshes: Meshes, device: torch.device, d
                   f"{plan.lora.trained / 1e6:.3g}M parameters train, {plan.lora.frozen / 1e6:.3g}M are frozen", flush=True)
             if plan.lora.dropout > 0:
                 print(f"titanlite: LoRA dropout {plan.lora.dropout}: {DROPOUT_MASKS}", flush=True)
+        for note in plan.spec.notes(plan.args):
+            print(note, flush=True)
         if warmup_note(cfg.lr_scheduler, t.steps):
             print(warmup_note(cfg.lr_scheduler, t.steps), flush=True)
         for phase in plan.schedule.phases if plan.schedule.warms_up else ():

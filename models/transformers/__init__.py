@@ -11,15 +11,16 @@ from functools import cache
 import torch
 
 from titanlite.layers import decoder
+from titanlite.layers.moe import AUX_LOSS
 from titanlite.model_spec import ModelSpec
 
-from .config import args_from_config, compare_saved, from_hf_config, resolve_dict
+from .config import args_from_config, compare_saved, from_hf_config, notes, resolve_dict
 from .hf import ADAPTER
 from .model import ModelArgs, build, hf_config
 from .parallelize import check_layout, tp_plan
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=512, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            head_dim=16, vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 """The sizes of the debug flavors: a few hundred thousand parameters."""
 _SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 DEBUG = {
@@ -50,7 +51,9 @@ DEBUG = {
     # LayerNorm without parameters
     "olmo": {},
     # a mixture of experts with a router of its own (and a sliding window on every layer)
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+    # (and its load-balancing loss trained, at a weight its gradients show)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+                    output_router_logits=True, router_aux_loss_coef=0.5),
 }
 """model_type -> what its debug flavor (debug_<model_type>) changes of TINY; every architecture
 the parity test runs (tests/test_transformers_parity.py)."""
@@ -104,4 +107,5 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 SPEC = ModelSpec(name="transformers", flavors=Flavors(), build=build, tp_plan=tp_plan, flops_per_token=flops_per_token,
                  check_layout=check_layout, hf=ADAPTER, blocks="model.layers", pre=("model.embed_tokens",),
-                 post=("model.norm", "lm_head"), from_hf_config=from_hf_config, compare_saved=compare_saved)
+                 post=("model.norm", "lm_head"), from_hf_config=from_hf_config, compare_saved=compare_saved,
+                 extra_losses=(AUX_LOSS,), notes=notes)

@@ -125,6 +125,18 @@ def args_from_config(config: PretrainedConfig) -> ModelArgs:
     return args
 
 
+def notes(args: ModelArgs) -> tuple[str, ...]:
+    """ModelSpec.notes: a load-balancing coefficient the run does not train with (published MoE
+    configs set router_aux_loss_coef with output_router_logits false, and transformers then trains
+    cross-entropy alone too)."""
+    config = json.loads(args.config)
+    coef = config.get("router_aux_loss_coef")
+    if not coef or config.get("output_router_logits"):
+        return ()
+    return (f"titanlite: the model's config sets router_aux_loss_coef {coef} with output_router_logits false: no "
+            "auxiliary (load-balancing) loss is trained (set model.hf_overrides output_router_logits=true to train it)",)
+
+
 def check_model(args: ModelArgs) -> None:
     """Refuse, in one line, a model titanlite cannot train as it trains its own: built on meta
     (every layer, at its real size: no memory) and run forward on meta tokens in training mode, so
@@ -148,13 +160,12 @@ def check_model(args: ModelArgs) -> None:
                               f"(attn_logit_softcapping {module.attn_logit_softcapping}), which titanlite's attention "
                               "does not compute; set model.hf_overrides attn_logit_softcapping=null")
     config = json.loads(args.config)
-    if config.get("output_router_logits"):
-        # its loss is in the model's output, which titanlite's step does not read (it reads the logits)
-        raise ConfigError(f"model.hf_config: {name} sets output_router_logits (a load-balancing loss, "
-                          f"router_aux_loss_coef {config.get('router_aux_loss_coef')}), which titanlite does not train "
-                          "for the transformers family; set model.hf_overrides output_router_logits=false to train on "
-                          "cross-entropy alone (as transformers does with it off), or use a native MoE family's "
-                          "moe.aux_loss_coeff")
+    balancing = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    if config.get("output_router_logits") and not all(hasattr(model, k) for k in balancing):
+        # titanlite.models.transformers.model.load_balancing_sum reads them as transformers' forward does
+        raise ConfigError(f"model.hf_config: {name} sets output_router_logits, but has no "
+                          f"{'/'.join(k for k in balancing if not hasattr(model, k))} for titanlite to compute "
+                          "its load-balancing loss from; set model.hf_overrides output_router_logits=false")
     windows = tuple({args.window(i) for i in range(args.n_layers)})
     tokens = torch.zeros(1, 8, dtype=torch.long, device="meta")
     watch = DropoutWatch(model)

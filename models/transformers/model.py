@@ -23,7 +23,9 @@ from functools import cache
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -33,6 +35,8 @@ from titanlite.errors import ConfigError
 from titanlite.layers import init
 from titanlite.layers.attention import AttnContext, attention
 from titanlite.layers.decoder import DecoderArgs, Recompute
+from titanlite.layers.moe import AUX_LOSS
+from titanlite.loss import ExtraLosses
 
 ATTENTION = "titanlite"
 """The name titanlite's attention function is registered under with transformers."""
@@ -83,8 +87,13 @@ def build(args: ModelArgs) -> nn.Module:
 
 @cache
 def titanlite_class(base: type[nn.Module]) -> type[nn.Module]:
-    """`base` with CausalLM mixed in (one class per architecture, made once)."""
-    return type(f"Titanlite{base.__name__}", (CausalLM, base), {"__module__": __name__})
+    """`base` with CausalLM mixed in (one class per architecture, made once), declared in `base`'s
+    module: transformers reads the module a class is defined in to decide what the class may do
+    (PreTrainedModel.is_custom_code, which keeps a custom class from its checkpoint conversion;
+    whether it may choose its experts implementation). Declared in this module, a MoE would run the
+    eager experts loop (a .nonzero() of data-dependent shape, which the dry run cannot trace)
+    where transformers runs `base` with its default, grouped_mm."""
+    return type(f"Titanlite{base.__name__}", (CausalLM, base), {"__module__": base.__module__})
 
 
 @cache
@@ -154,6 +163,12 @@ class CausalLM:
         """Name of each parameter that shares another's -> (the module holding that one first, a
         meta copy of it)."""
 
+    extra_losses: ExtraLosses | None = None
+    """Where the load-balancing loss goes (output_router_logits): the training step's, bound by it."""
+    stats_group: dist.ProcessGroup | None = None
+    """The ranks routing different tokens of one micro-batch (data x context parallel), over which
+    the load-balancing loss counts the experts' loads; None on one process."""
+
     def forward(self, tokens: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         ctx = ctx or AttnContext()
         inputs = {"inputs_embeds" if tokens.is_floating_point() else "input_ids": tokens}
@@ -163,7 +178,13 @@ class CausalLM:
         kwargs = dict(position_ids=positions.expand(tokens.shape[0], -1), use_cache=False, titanlite_ctx=ctx)
         if isinstance(self.lm_head, nn.Identity):
             return self.model(**inputs, **kwargs).last_hidden_state
-        return super().forward(**inputs, **kwargs).logits
+        balance = getattr(self.config, "output_router_logits", False) and torch.is_grad_enabled()
+        # transformers' aux_loss (computed when asked) is this rank's alone: titanlite's is the batch's
+        out = super().forward(**inputs, **kwargs, **({"output_router_logits": balance} if balance else {}))
+        if not balance or self.extra_losses is None:
+            return out.logits
+        aux = load_balancing_sum(out.router_logits, self.num_experts, self.num_experts_per_tok, self.stats_group)
+        return self.extra_losses.add(out.logits, AUX_LOSS, self.router_aux_loss_coef * aux)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -220,6 +241,26 @@ class CausalLM:
             init.copy_full_(p, full[n].detach().to(p.dtype))
 
 
+def load_balancing_sum(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                       group: dist.ProcessGroup | None) -> torch.Tensor:
+    """transformers' load-balancing loss (its load_balancing_loss_func, without an attention mask:
+    E x sum_e f_e P_e, f_e the share of top-k slots routed to expert e and P_e its mean router
+    probability, both over every layer's rows) as this rank's share of a sum over tokens: divided
+    by the step's target count (titanlite.loss.ExtraLosses), the micro-batch's loss on every layout.
+    The loads (counts, no gradient, as in transformers) and the row count are summed over `group`;
+    P_e's sum is this rank's rows', which the gradient reduction adds up."""
+    probs = [F.softmax(layer.float(), dim=-1) for layer in router_logits]
+    counts = sum(torch.zeros(num_experts, device=p.device).scatter_add_(
+        0, p.topk(top_k, dim=-1).indices.flatten(), torch.ones(p.shape[0] * top_k, device=p.device)) for p in probs)
+    rows = torch.tensor(float(sum(p.shape[0] for p in probs)), device=counts.device)
+    stats = torch.cat([counts, rows[None]])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    counts, rows = stats[:-1], stats[-1]
+    # the micro-batch's loss E x sum_e (counts_e / rows) (prob sum_e / rows), times its tokens (rows / layers)
+    return num_experts * (counts / rows * sum(p.sum(0) for p in probs)).sum() / len(probs)
+
+
 class Unsupported(RuntimeError):
     """What a model asks of its attention function that titanlite's cannot compute."""
 
@@ -234,9 +275,11 @@ class AttentionDropout(Unsupported):
         self.p, self.where = p, where
 
 
-KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "titanlite_ctx", "is_causal"}
+KWARGS = {"position_ids", "use_cache", "cache_position", "output_attentions", "titanlite_ctx", "is_causal",
+          "output_router_logits"}
 """Keywords transformers' decoders pass their attention function that change nothing it
-computes in training (position_ids reached RoPE before it; no cache); any other is refused
+computes in training (position_ids reached RoPE before it; no cache; the router's logits are
+recorded by the model, not by attention); any other is refused
 unless it is None or False (a feature switched off: Gemma 2's softcap=None)."""
 
 

@@ -150,6 +150,12 @@ def check_layout(args: ModelArgs, dims) -> None:
         raise ConfigError(f"parallelism.expert_parallel_degree {dims.ep}: expert parallelism shards titanlite's MoE "
                           f"layers; {type(config).__name__}'s experts are transformers' own: train it with FSDP "
                           "(expert_parallel_degree 1)")
+    if dims.pp > 1 and getattr(config, "output_router_logits", False):
+        # its loads are summed over every layer before the product: one stage's need the later stages'
+        raise ConfigError(f"parallelism.pipeline_parallel_degree {dims.pp}: {type(config).__name__}'s load-balancing "
+                          "loss (output_router_logits) couples the routing of every layer, which pipeline stages "
+                          "hold apart; train it without pipeline parallelism, or set model.hf_overrides "
+                          "output_router_logits=false")
     if dims.tp > 1 or dims.pp > 1:
         with torch.device("meta"):
             model = build(dataclasses.replace(args, n_layers=min(args.n_layers, 2)))

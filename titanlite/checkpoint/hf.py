@@ -46,6 +46,9 @@ class HFAdapter:
     """Prefixes of titanlite names a transformers folder may lack as a whole (DeepSeek-V3's
     multi-token prediction depths: its config counts them, save_pretrained never writes them):
     they keep their seeded initial values, and the load says so in one line (fresh_names)."""
+    training: tuple[str, ...] = ()
+    """config.json keys that say how the model trains, not what its weights compute (a transformers
+    MoE's load-balancing loss): a run may set them otherwise than the folder it starts from."""
 
 
 def fresh_names(adapter: HFAdapter, expected: Iterable[str], found: Collection[str]) -> list[str]:
@@ -259,7 +262,8 @@ def check_hf_config(adapter: HFAdapter, folder: str | Path, args: Any) -> None:
     # config_to_hf reads the activation off the model this family builds; the folder's is its own
     theirs["hidden_act"] = raw.get("hidden_act", "silu")
     ours = adapter.config_to_hf(args, torch.float32)
-    diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype") and ours[k] != theirs.get(k)]
+    diff = [k for k in ours if k not in ("max_position_embeddings", "torch_dtype", *adapter.training)
+            and ours[k] != theirs.get(k)]
     if diff:
         raise ConfigError(f"{folder}/config.json differs from the model config in "
                           + ", ".join(f"{k} ({theirs.get(k)} vs {ours[k]})" for k in diff))

@@ -113,6 +113,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, 
 
 
 def set_stats_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """The ranks over which MoE layers count loads for the auxiliary loss."""
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.stats_group = group
+    """The ranks over which MoE layers (and any module declaring `stats_group`: a transformers
+    model's load-balancing loss) count loads for the auxiliary loss."""
+    for module in (m for m in model.modules() if isinstance(m, MoE) or hasattr(m, "stats_group")):
+        module.stats_group = group
