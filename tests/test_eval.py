@@ -1,0 +1,135 @@
+"""titanlite.eval: request construction against lm-eval's own helpers, the even split of requests
+over data-parallel ranks, task files' bad rows, and `python -m titanlite.eval` against lm-eval's
+`hf` model on the exported transformers folder (every request's log-likelihood, every score)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import titanlite
+from titanlite.errors import ConfigError
+from titanlite.eval.requests import continuation, rolling
+from titanlite.eval.score import _batches
+from titanlite.eval.tasks import read_task
+from titanlite.model_spec import get_model_spec
+
+
+def test_requests_split_and_windows():
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    for n, degree, size in [(21, 2, 2), (7, 4, 3), (3, 4, 2), (0, 2, 1), (28, 2, 5)]:
+        ranks = [_batches(n, r, degree, size) for r in range(degree)]
+        assert len({len(b) for b in ranks}) == 1  # every rank runs as many forwards
+        assert sorted(i for b in ranks for batch in b for i in batch) == list(range(n))
+    for length, window in [(1, 4), (4, 4), (10, 4), (9, 3)]:
+        ids = list(range(10, 10 + length))
+        theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(ids, 1, window, 1)]
+        ours = rolling(ids, 1, window, 0)
+        assert [(r.tokens[:-r.n_target], r.tokens[-r.n_target:]) for r in ours] == \
+            [(ctx, pred) for ctx, pred in theirs]
+    r = continuation(lambda s: list(s.encode()), "ab ", "c", [], 3, 0)
+    assert (r.tokens, r.n_target) == ([97, 98, 32, 99], 2)  # the context's space moves to the continuation
+
+
+def test_task_rows_refused(tmp_path):
+    cases = [('{"context": "a", "choices": ["b", "c"], "gold": 2}', "row 1: gold 2 is not an index of its 2 choices"),
+             ('{"text": "a"}\n{"txt": "b"}', "row 2: a bpb task's row needs the keys text"),
+             ('{"prompt": "a", "answer": "b"}\nnot json', "row 2 is not JSON"),
+             ('{"question": "a"}', "row 1: a row needs context/choices/gold")]
+    for text, message in cases:
+        (tmp_path / "t.jsonl").write_text(text + "\n")
+        with pytest.raises(ConfigError, match=message):
+            read_task(tmp_path / "t.jsonl")
+
+
+MC_YAML = """task: tl_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+ROLLING_YAML = """task: tl_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def test_lm_eval_matches_hf(tmp_path, monkeypatch):
+    """A local multiple-choice task and a local rolling-perplexity task (texts past the model's 64
+    positions: several windows) through titanlite's model class on a step folder and through
+    lm-eval's hf model on its transformers export: every request's log-likelihood within 1e-5."""
+    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from titanlite.checkpoint.folder import write_model_checkpoint
+    from titanlite.data.tokenizer import byte_chat_tokenizer
+    from titanlite.eval.__main__ import main
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, multiple_of=32,
+                               max_seq_len=64, vocab_size=byte_chat_tokenizer().vocab_size)
+    model = spec.build(args)
+    model.init_weights(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)  # logits that differ from token to token
+    chat = byte_chat_tokenizer()
+    write_model_checkpoint(tmp_path / "step-1", model.state_dict(), "llama3", args)
+    titanlite.write_hf(tmp_path / "hf", spec.hf.to_hf(model.state_dict(), args), spec.hf.config_to_hf(args, torch.float32))
+    chat.hf.save_pretrained(tmp_path / "hf")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [{"context": f"Question {i}: what is {i} + {i}?\nAnswer:", "choices": [f" {2 * i}", f" {i}", " none"],
+             "gold": 0} for i in range(6)] + [{"context": "", "choices": ["yes", "no"], "gold": 1}]
+    (tasks / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "ppl.jsonl").write_text("".join(json.dumps({"text": "def f(x):\n    return x\n" * i}) + "\n"
+                                             for i in (1, 3, 7)))
+    (tasks / "tl_mc.yaml").write_text(MC_YAML.format(data=tasks / "mc.jsonl"))
+    (tasks / "tl_ppl.yaml").write_text(ROLLING_YAML.format(data=tasks / "ppl.jsonl"))
+    manager = TaskManager(include_path=str(tasks))
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,device=cpu",
+                                     tasks=["tl_mc", "tl_ppl"], task_manager=manager, log_samples=True)
+    from titanlite.eval.__main__ import parse, run
+
+    ours = run(parse([str(tmp_path / "step-1"), "--tasks", "tl_mc,tl_ppl", "--include_path", str(tasks),
+                      "--tokenizer", str(tmp_path / "hf"), "--batch_size", "3"]))
+    worst = 0.0
+    for task in ("tl_mc", "tl_ppl"):
+        a, b = theirs["samples"][task], ours["samples"][task]
+        assert len(a) == len(b) == (7 if task == "tl_mc" else 3)
+        for x, y in zip(a, b):
+            for rx, ry in zip(x["resps"], y["resps"], strict=True):
+                llx, lly = (rx[0][0], ry[0][0]) if task == "tl_mc" else (rx[0], ry[0])
+                worst = max(worst, abs(llx - lly) / abs(llx))
+                assert abs(llx - lly) <= 1e-5 * abs(llx), (task, llx, lly)
+        for metric, value in theirs["results"][task].items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+        for metric in ("acc,none", "acc_norm,none") if task == "tl_mc" else ():
+            assert ours["results"][task][metric] == theirs["results"][task][metric]
+    print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "step-1"), "--tasks", "no_such_task"])
