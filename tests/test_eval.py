@@ -133,3 +133,8 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
     print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "step-1"), "--tasks", "no_such_task"])
+    # a task whose data set is on the hub only: refused in one line, no wait on the network
+    (tasks / "tl_hub.yaml").write_text(ROLLING_YAML.replace("tl_ppl", "tl_hub").replace(
+        "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
+    with pytest.raises(ConfigError, match="a task's data is not on this machine"):
+        run(parse([str(tmp_path / "step-1"), "--tasks", "tl_hub", "--include_path", str(tasks)]))

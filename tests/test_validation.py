@@ -3,7 +3,7 @@ they reach metrics and TensorBoard; evaluation leaves the training losses bit-id
 
 import json
 
-from harness import TINY, train
+from harness import TINY, assert_eval_parity, eval_rows, train
 
 # A held-out tail of the stdlib source; eval after steps 5 and 10 (the last) over 3 global batches.
 VAL = [*TINY, "--data.holdout_fraction", "0.01", "--validation.freq", "5", "--validation.steps", "3",
@@ -21,11 +21,6 @@ def eval_tasks(folder) -> list[str]:
     return ["--eval.tasks", f"{mc},{bpb},stdlib_which", "--eval.interval", "5", "--eval.limit", "7"]
 
 
-def evals(run) -> list[dict]:
-    return [{k: v for k, v in row.items() if k.startswith("eval/") and k != "eval/seconds"}
-            for row in run.rows if "eval/seconds" in row]
-
-
 def test_validation_independent_of_layout_and_accumulation(tmp_path):
     tasks = eval_tasks(tmp_path)
     ref = train(1, [*VAL, "--training.local_batch_size", "8", "--metrics.enable_tensorboard", "true", *tasks])
@@ -36,19 +31,10 @@ def test_validation_independent_of_layout_and_accumulation(tmp_path):
     fsdp_tp = train(4, [*VAL, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                         *tasks, "--eval.batch_size", "2"])
     assert ref.losses == plain.losses  # evaluation draws no training RNG and reads no training data
-    (first, last), n = evals(ref), 0
+    first, last = eval_rows(ref)
     assert [row["step"] for row in ref.rows if "eval/seconds" in row] == [5, 10]
     assert last["eval/texts/bpb"] < first["eval/texts/bpb"]  # it measures something that learns
-    for run in (accum, fsdp_tp):
-        for a, b in zip(evals(ref), evals(run), strict=True):
-            assert a.keys() == b.keys() == first.keys()
-            for key in a:
-                if "acc" in key:
-                    assert a[key] == b[key], (key, a, b)
-                else:
-                    assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
-                n += 1
-    assert n == 2 * 2 * 7
+    assert assert_eval_parity(ref, accum) == assert_eval_parity(ref, fsdp_tp) == 2 * 7
     assert [s for s, _ in ref.val_losses] == [5, 10]
     assert [r["epoch"] for r in ref.metrics] == [0] * 10
     for run in (accum, fsdp_tp):
