@@ -34,6 +34,17 @@ def test_requests_split_and_windows():
     assert (r.tokens, r.n_target) == ([97, 98, 32, 99], 2)  # the context's space moves to the continuation
 
 
+def test_only_the_eval_command_imports_lm_eval():
+    """lm-eval is the `eval` extra's: no module training imports may import it."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(titanlite.__file__).parent
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if re.search(r"^\s*(import lm_eval|from lm_eval)", p.read_text(), re.M))
+    assert users == ["eval/__main__.py", "eval/harness.py"]  # the model class, and the command inside run()
+
+
 def test_task_rows_refused(tmp_path):
     cases = [('{"context": "a", "choices": ["b", "c"], "gold": 2}', "row 1: gold 2 is not an index of its 2 choices"),
              ('{"text": "a"}\n{"txt": "b"}', "row 2: a bpb task's row needs the keys text"),
@@ -138,3 +149,45 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
         "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
     with pytest.raises(ConfigError, match="a task's data is not on this machine"):
         run(parse([str(tmp_path / "step-1"), "--tasks", "tl_hub", "--include_path", str(tasks)]))
+
+
+def test_in_loop_scores_add_up_over_ranks(monkeypatch):
+    """Evaluator on 'rank 0 of 2' and 'rank 1 of 2' (the all-reduce left out) sum to the one-process
+    values: log-likelihoods of a multiple-choice task and exact match over 5 prompts (3 and 2),
+    whose answers are the model's own greedy first lines for prompts 0, 1, 2 and wrong for 3, 4."""
+    from titanlite.config.eval import Eval
+    from titanlite.data.tokenizer import ByteTokenizer
+    from titanlite.eval.requests import first_line, task_requests
+    from titanlite.eval.score import Evaluator
+    from titanlite.eval.tasks import Task
+    from titanlite.generate import generate
+
+    monkeypatch.setattr("titanlite.eval.score.dist.all_reduce", lambda *a, **k: None)
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, multiple_of=32,
+                               max_seq_len=64)
+    model = spec.build(args)
+    model.init_weights(5)
+    tok, steps = ByteTokenizer(), 6
+    prompts = [f"def f{i}(" for i in range(5)]
+    gens = generate(model.eval(), [[tok.eos_id, *tok.encode(p)] for p in prompts], max_new_tokens=steps, context=64)
+    answers = [first_line(tok.decode(g.ids)) if i < 3 else "\u2603" for i, g in enumerate(gens)]
+    exact = Task("sig", "exact", [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)])
+    choice = Task("mc", "choice", [{"context": f"x = {i}", "choices": [" +", " -", "\n"], "gold": i % 3}
+                                   for i in range(5)])
+
+    def logits_of(batch):
+        from titanlite.loss import token_logprobs
+        return token_logprobs(model(batch["input_ids"]), batch["labels"])
+
+    def scores(rank, degree):
+        ev = Evaluator(Eval(tasks=[], batch_size=2, max_new_tokens=steps), tok, 64, rank, degree, None)
+        lls = ev.log_likelihoods(task_requests(choice, tok.encode, tok.eos_id, 64), lambda b: b, logits_of,
+                                 torch.device("cpu"))
+        return lls, ev.exact_match(exact, model, torch.device("cpu"))
+
+    one, (a, b) = scores(0, 1), (scores(0, 2), scores(1, 2))
+    assert one[1] == 0.6 and a[1] + b[1] == pytest.approx(0.6)  # 3 of 5: the right answers, each counted once
+    assert a[1] == pytest.approx(0.4) and b[1] == pytest.approx(0.2)
+    torch.testing.assert_close(a[0] + b[0], one[0], rtol=1e-6, atol=0)
+    assert (a[0] != 0).sum() == 8 and (b[0] != 0).sum() == 7  # 15 requests: 8 and 7
