@@ -36,8 +36,7 @@ from titanlite.parallel.tensor import check_decoder_tp
 from titanlite.runtime.replicas import check_split
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
-from titanlite.eval.score import check_layout
-from titanlite.eval.tasks import load_tasks
+from titanlite.eval.score import check_layout, load_tasks
 
 
 @dataclass

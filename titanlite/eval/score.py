@@ -22,14 +22,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titanlite.config.eval import Eval
+from titanlite.config.eval import BUILTIN_TASKS, Eval
 from titanlite.data.packing import IGNORE_INDEX
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import ConfigError
 from titanlite.eval.requests import Request, first_line, task_requests, task_metrics
-from titanlite.eval.tasks import Task, load_tasks
+from titanlite.eval import builtin
+from titanlite.eval.tasks import Task, read_task
 from titanlite.generate import generate
 from titanlite.loss import segment_sums
+
+
+def load_tasks(cfg: Eval) -> list[Task]:
+    """The tasks eval.tasks names, each cut to eval.limit examples."""
+    out = []
+    for name in cfg.tasks:
+        if name in BUILTIN_TASKS:
+            task = builtin.make(name)
+            out.append(Task(task.name, task.kind, task.rows[:cfg.limit or None]))
+        else:
+            out.append(read_task(name, cfg.limit))
+    return out
 
 
 def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, cp: int, ep: int) -> None:

@@ -1,5 +1,5 @@
-"""Evaluation tasks: read from a jsonl file per task or made from the embedded standard library
-(titanlite.eval.builtin), every row checked before launch.
+"""Evaluation tasks read from a jsonl file per task, every row checked before launch (the built-in
+ones are made by titanlite.eval.builtin; titanlite.eval.score.load_tasks gathers both).
 
 Kinds, by the keys of a file's rows:
 - choice: {"context": str, "choices": [str, ...], "gold": int}; each choice continues the context
@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.config.eval import BUILTIN_TASKS, Eval
 from titanlite.errors import ConfigError
 
 KINDS = {"choice": ("context", "choices", "gold"), "bpb": ("text",), "exact": ("prompt", "answer")}
@@ -69,17 +68,3 @@ def read_task(path: str | Path, limit: int = 0) -> Task:
     if not rows:
         raise ConfigError(f"eval.tasks: {path} has no rows")
     return Task(path.stem, kind, rows)
-
-
-def load_tasks(cfg: Eval) -> list[Task]:
-    """The tasks eval.tasks names, each cut to eval.limit examples."""
-    from titanlite.eval import builtin
-
-    out = []
-    for name in cfg.tasks:
-        if name in BUILTIN_TASKS:
-            task = builtin.make(name)
-            out.append(Task(task.name, task.kind, task.rows[:cfg.limit or None]))
-        else:
-            out.append(read_task(name, cfg.limit))
-    return out
