@@ -104,7 +104,8 @@ class Evaluator:
             lp = logprobs(batch).double()
             rows = torch.arange(size, device=lp.device)[:, None].expand_as(lp)
             segments = torch.where(batch["labels"] != IGNORE_INDEX, rows, -1)
-            out[torch.tensor(idx, dtype=torch.long, device=device)] += segment_sums(lp, segments, size)[:len(idx)].to(device)
+            sums = segment_sums(lp, segments, size)[:len(idx)].to(device)
+            out[torch.tensor(idx, dtype=torch.long, device=device)] += sums
         dist.all_reduce(out, group=self.group)
         return out
 
