@@ -121,8 +121,10 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
     (tasks / "tl_mc.yaml").write_text(MC_YAML.format(data=tasks / "mc.jsonl"))
     (tasks / "tl_ppl.yaml").write_text(ROLLING_YAML.format(data=tasks / "ppl.jsonl"))
     manager = TaskManager(include_path=str(tasks))
-    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,device=cpu",
-                                     tasks=["tl_mc", "tl_ppl"], task_manager=manager, log_samples=True)
+    from lm_eval.models.huggingface import HFLM
+
+    hf = HFLM(pretrained=str(tmp_path / "hf"), dtype="float32", device="cpu")
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=["tl_mc", "tl_ppl"], task_manager=manager, log_samples=True)
     from titanlite.eval.__main__ import parse, run
 
     ours = run(parse([str(tmp_path / "step-1"), "--tasks", "tl_mc,tl_ppl", "--include_path", str(tasks),
@@ -141,6 +143,15 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
         for metric in ("acc,none", "acc_norm,none") if task == "tl_mc" else ():
             assert ours["results"][task][metric] == theirs["results"][task][metric]
+    # generate_until: greedy up to a stop string, as transformers generates
+    from lm_eval.api.instance import Instance
+
+    from titanlite.eval.harness import TitanliteLM
+
+    asks = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}), i)
+            for i, p in enumerate(["def f(x):\n    return", "Question 3: what is"])]
+    texts = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf")).generate_until(asks)
+    assert texts == hf.generate_until(asks) and any(texts)
     print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
     with pytest.raises(SystemExit):
         main([str(tmp_path / "step-1"), "--tasks", "no_such_task"])
