@@ -202,3 +202,25 @@ def test_in_loop_scores_add_up_over_ranks(monkeypatch):
     assert a[1] == pytest.approx(0.4) and b[1] == pytest.approx(0.2)
     torch.testing.assert_close(a[0] + b[0], one[0], rtol=1e-6, atol=0)
     assert (a[0] != 0).sum() == 8 and (b[0] != 0).sum() == 7  # 15 requests: 8 and 7
+
+
+def test_builtin_tasks_are_well_formed():
+    """Every built-in row passes the task files' checks; the wrong choices of stdlib_which are right
+    ones elsewhere (no kind of name wins by itself); stdlib_def's choices differ in order only."""
+    from collections import Counter
+
+    from titanlite.config.eval import BUILTIN_TASKS
+    from titanlite.eval import builtin
+    from titanlite.eval.tasks import _check_row
+
+    tasks = {name: builtin.make(name) for name in BUILTIN_TASKS}
+    for task in tasks.values():
+        assert len(task.rows) > 400
+        for i, row in enumerate(task.rows):
+            _check_row(row, task.kind, f"{task.name} row {i}")
+    rows = tasks["stdlib_which"].rows
+    golds = {r["choices"][r["gold"]] for r in rows}
+    assert len({c for r in rows for c in r["choices"]} - golds) <= len(rows) // 100  # (the rows skipped)
+    assert Counter(r["gold"] for r in rows).most_common()[-1][1] > len(rows) // 5  # gold positions spread
+    for r in tasks["stdlib_def"].rows:
+        assert len({"".join(sorted(c)) for c in r["choices"]}) == 1 and len(set(r["choices"])) == 4

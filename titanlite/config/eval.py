@@ -9,16 +9,17 @@ from pathlib import Path
 
 from titanlite.errors import ConfigError
 
-BUILTIN_TASKS = ("stdlib_which", "stdlib_doc_bpb", "stdlib_signature")
+BUILTIN_TASKS = ("stdlib_which", "stdlib_def", "stdlib_doc_bpb", "stdlib_signature")
 """The built-in tasks (titanlite.eval.builtin), made at start from the embedded standard library:
-which function a docstring describes (4 choices), the docstrings' bits per byte, and the rest of
-a function's `def` line (exact match)."""
+which function a docstring describes (4 choices), which `def` line is a function's own (4 choices,
+3 with their parameters' characters shuffled), the docstrings' bits per byte, and the rest of a
+function's `def` line (exact match)."""
 
 
 @dataclass(frozen=True)
 class Eval:
     tasks: list[str] = field(default_factory=list)
-    """Tasks scored in the training loop: built-in names (stdlib_which, stdlib_doc_bpb,
+    """Tasks scored in the training loop: built-in names (stdlib_which, stdlib_def, stdlib_doc_bpb,
     stdlib_signature) or .jsonl files (one task each, named by the file's stem); empty: off."""
     interval: int = 100
     """Score the tasks every N steps and after the last step."""

@@ -5,6 +5,7 @@ every choice a function of the names."""
 
 from __future__ import annotations
 
+import random
 import zlib
 
 from titanlite.data.chat_set import StdlibFunction, stdlib_functions
@@ -40,10 +41,32 @@ def which(functions: list[StdlibFunction]) -> Task:
     return Task("stdlib_which", "choice", rows)
 
 
+def def_line(functions: list[StdlibFunction]) -> Task:
+    """Which is the function's `def` line: the real one or one of 3 with the characters between its
+    parentheses shuffled (the same characters, so the same length and letters: only their order,
+    which a model learns early, tells them apart)."""
+    rows = []
+    for f in _sample([f for f in functions if f.line]):
+        name, params = f.line.split("(", 1)
+        params, tail = params.rsplit(")", 1)
+        wrong = []
+        for k in range(3):
+            chars = list(params)
+            random.Random(zlib.crc32(f"{f.qualname}/{k}".encode())).shuffle(chars)
+            wrong.append(f" {name}({''.join(chars)}){tail}")
+        gold = _pick(f.qualname, 4)
+        choices = wrong[:gold] + [f" {f.line}"] + wrong[gold:]
+        if len(set(choices)) == 4:
+            rows.append({"context": f"# {f.qualname}\ndef", "choices": choices, "gold": gold})
+    return Task("stdlib_def", "choice", rows)
+
+
 def make(name: str) -> Task:
     functions = stdlib_functions()
     if name == "stdlib_which":
         return which(functions)
+    if name == "stdlib_def":
+        return def_line(functions)
     if name == "stdlib_doc_bpb":
         return Task(name, "bpb", [{"text": f.answer} for f in _sample(functions)])
     # stdlib_signature: the rest of a one-line `def` after its name and parenthesis
