@@ -97,7 +97,6 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
 
     from titanlite.checkpoint.folder import write_model_checkpoint
     from titanlite.data.tokenizer import byte_chat_tokenizer
-    from titanlite.eval.__main__ import main
 
     spec = get_model_spec("llama3")
     args = dataclasses.replace(spec.flavors["debugmodel"], dim=64, n_heads=4, n_kv_heads=2, multiple_of=32,
@@ -120,7 +119,10 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
                                              for i in (1, 3, 7)))
     (tasks / "tl_mc.yaml").write_text(MC_YAML.format(data=tasks / "mc.jsonl"))
     (tasks / "tl_ppl.yaml").write_text(ROLLING_YAML.format(data=tasks / "ppl.jsonl"))
-    manager = TaskManager(include_path=str(tasks))
+    # a task whose data set is on the hub only
+    (tasks / "tl_hub.yaml").write_text(ROLLING_YAML.replace("tl_ppl", "tl_hub").replace(
+        "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
+    manager = TaskManager(include_path=str(tasks))  # one for every run here: it indexes lm-eval's tasks
     from lm_eval.models.huggingface import HFLM
 
     hf = HFLM(pretrained=str(tmp_path / "hf"), dtype="float32", device="cpu")
@@ -128,7 +130,7 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
     from titanlite.eval.__main__ import parse, run
 
     ours = run(parse([str(tmp_path / "step-1"), "--tasks", "tl_mc,tl_ppl", "--include_path", str(tasks),
-                      "--tokenizer", str(tmp_path / "hf"), "--batch_size", "3"]))
+                      "--tokenizer", str(tmp_path / "hf"), "--batch_size", "3"]), manager)
     worst = 0.0
     for task in ("tl_mc", "tl_ppl"):
         a, b = theirs["samples"][task], ours["samples"][task]
@@ -153,13 +155,11 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
     texts = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf")).generate_until(asks)
     assert texts == hf.generate_until(asks) and any(texts)
     print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "step-1"), "--tasks", "no_such_task"])
-    # a task whose data set is on the hub only: refused in one line, no wait on the network
-    (tasks / "tl_hub.yaml").write_text(ROLLING_YAML.replace("tl_ppl", "tl_hub").replace(
-        "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
+    with pytest.raises(ConfigError, match="no_such_task: not an lm-eval task here"):
+        run(parse([str(tmp_path / "step-1"), "--tasks", "no_such_task"]), manager)
+    # the hub-only task: refused in one line, no wait on the network
     with pytest.raises(ConfigError, match="a task's data is not on this machine"):
-        run(parse([str(tmp_path / "step-1"), "--tasks", "tl_hub", "--include_path", str(tasks)]))
+        run(parse([str(tmp_path / "step-1"), "--tasks", "tl_hub", "--include_path", str(tasks)]), manager)
 
 
 def test_in_loop_scores_add_up_over_ranks(monkeypatch):

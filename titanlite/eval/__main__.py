@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from titanlite.errors import ConfigError
 
@@ -28,8 +29,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """lm-eval's results dict for the checkpoint; bad input raises ConfigError."""
+def run(args: argparse.Namespace, manager: Any = None) -> dict:
+    """lm-eval's results dict for the checkpoint; bad input raises ConfigError. `manager`: an
+    lm-eval TaskManager to reuse (indexing lm-eval's own tasks takes seconds), else one is made."""
     for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         os.environ.setdefault(key, "1")
     if args.limit < 0 or args.batch_size < 1:
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from titanlite.eval.harness import TitanliteLM
 
-    manager = TaskManager(include_path=args.include_path or None)
+    manager = manager or TaskManager(include_path=args.include_path or None)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if not tasks or unknown:
