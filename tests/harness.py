@@ -253,6 +253,34 @@ def reference(args: list[str], env: dict[str, str] | None = None) -> Run:
     return _REFERENCES[key]
 
 
+BUILTIN_EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval", "5", "--eval.limit", "5",
+                "--eval.batch_size", "3"]
+"""[eval] on the built-in tasks: 20 multiple-choice requests and 5 texts, scored after steps 5 and 10."""
+
+
+def eval_rows(run: Run) -> list[dict]:
+    """Each evaluation's metrics (eval/<task>/<metric>), its time left out."""
+    return [{k: v for k, v in row.items() if k.startswith("eval/") and k != "eval/seconds"}
+            for row in run.rows if "eval/seconds" in row]
+
+
+def assert_eval_parity(ref: Run, got: Run) -> int:
+    """The same evaluations with the same metrics: accuracies identical, the rest (bits per byte,
+    sums of log-likelihoods) to 1e-5 relative. Returns how many values were compared."""
+    a_rows, b_rows = eval_rows(ref), eval_rows(got)
+    assert a_rows and len(a_rows) == len(b_rows), (a_rows, b_rows)
+    n = 0
+    for a, b in zip(a_rows, b_rows):
+        assert a.keys() == b.keys(), (a, b)
+        for key in a:
+            if "acc" in key or "exact_match" in key:
+                assert a[key] == b[key], (key, a, b)
+            else:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a, b)
+            n += 1
+    return n
+
+
 def assert_parity(ref: list[float], got: list[float], first_rtol: float = 1e-6, rtol: float = 1e-4) -> None:
     """Loss parity, step by step; a step whose loss is NaN in both (an injected fault, skipped) matches."""
     assert len(ref) == len(got) and len(ref) >= 10, (ref, got)

@@ -50,6 +50,8 @@ def _files(tmp) -> dict[str, str]:
         "chat_unknown_role.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"}]}\n',
         "chat_empty_assistant.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}\n',
         "chat_no_target.jsonl": '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}\n',
+        "eval_bad_row.jsonl": '{"context": "a", "choices": [" b", " c"], "gold": 0}\n{"context": "a", "choices": " b"}\n',
+        "eval_gold.jsonl": '{"context": "a", "choices": [" b", " c"], "gold": 2}\n',
     }
     paths = {}
     for name, text in texts.items():
@@ -217,6 +219,19 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                                  "line 1: message 2 is an empty assistant turn"),
         "chat_no_target": ([*CHAT, "--data.path", f["chat_no_target.jsonl"]], {},
                            "line 1: no token to train on with data.train_on = assistant"),
+        # [eval] tasks: the section, then each task file's rows, before launch
+        "eval_interval_zero": (["--eval.interval", "0"], {}, "eval.interval must be >= 1, got 0"),
+        "eval_unknown_task": (["--eval.tasks", "hellaswag"], {},
+                              "eval.tasks: 'hellaswag' is neither a built-in task (stdlib_which"),
+        "eval_bad_row": (["--eval.tasks", f["eval_bad_row.jsonl"]], {},
+                         f"eval.tasks: {f['eval_bad_row.jsonl']} row 2: a choice task's row needs the keys context, "
+                         "choices, gold"),
+        "eval_gold_range": (["--eval.tasks", f["eval_gold.jsonl"]], {},
+                            f"eval.tasks: {f['eval_gold.jsonl']} row 1: gold 2 is not an index of its 2 choices"),
+        "eval_under_pp": (["--eval.tasks", "stdlib_which", "--parallelism.pipeline_parallel_degree", "2"], {"NGPU": "2"},
+                          "eval.tasks: scoring under pipeline parallel is not supported yet"),
+        "eval_generate_under_tp": (["--eval.tasks", "stdlib_signature", "--parallelism.tensor_parallel_degree", "2"],
+                                   {"NGPU": "2"}, "eval.tasks: exact-match task stdlib_signature generates"),
     }
 
 
@@ -256,7 +271,7 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
               "checkpoint_folder_escapes", "pp_schedule_unknown", "chat_train_on", "chat_without_document_mask",
-              "chat_byte_tokenizer")
+              "chat_byte_tokenizer", "eval_interval_zero", "eval_unknown_task")
 
 # Refused by the trainer's preflight, the launcher's second process (each a torch import,
 # about 6 CPU seconds): run through that process's main in this one.
@@ -266,7 +281,7 @@ PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_w
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
              "val_steps_above_split", "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
-             "chat_no_target")
+             "chat_no_target", "eval_bad_row", "eval_gold_range", "eval_under_pp", "eval_generate_under_tp")
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +299,7 @@ NAMED = _cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type
                                "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok", "empty.txt",
                                "blank.jsonl", "eps_inf.toml", "empty_dir", "chat_no_messages.jsonl",
                                "chat_unknown_role.jsonl", "chat_empty_assistant.jsonl", "chat_no_target.jsonl",
+                               "eval_bad_row.jsonl", "eval_gold.jsonl",
                                "tok_no_template"]})
 ALL_IDS = list(NAMED)
 CASE_IDS = [k for k in ALL_IDS if k not in IN_PROCESS + PREFLIGHT]
@@ -315,6 +331,8 @@ GROUPS = {
     "chats (data.format chat)": ("chat_train_on", "chat_without_document_mask", "chat_byte_tokenizer",
                                  "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
                                  "chat_no_target"),
+    "[eval] tasks": ("eval_interval_zero", "eval_unknown_task", "eval_bad_row", "eval_gold_range", "eval_under_pp",
+                     "eval_generate_under_tp"),
     "found by reading files before launch": ("load_step_missing", "initial_load_not_checkpoint", "data_empty_file",
                                              "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
                                              "val_steps_above_split"),

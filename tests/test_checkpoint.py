@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import TINY, assert_parity, launch, train
+from harness import BUILTIN_EVAL, TINY, assert_parity, launch, train
 
 from titanlite.config import load as config_load
 from titanlite.checkpoint.dcp import check_saved_model, model_shapes
@@ -81,9 +81,10 @@ def async2(tmp_path_factory):
 
 
 def test_resume_is_bitwise_on_one_rank(straight1, tmp_path):
-    train(1, job(1, 10), dump=tmp_path)
+    # [eval] after steps 5, 10 (the save's step), 15 and 20: a resume across evaluations
+    train(1, job(1, 10, *BUILTIN_EVAL), dump=tmp_path)
     assert (tmp_path / "checkpoint" / "step-10").is_dir()
-    second = train(1, job(1, 20), dump=tmp_path)
+    second = train(1, job(1, 20, *BUILTIN_EVAL), dump=tmp_path)
     assert "resumed from" in second.output and [r["step"] for r in second.metrics] == list(range(1, 21))
     assert [r.get("begins") for r in second.metrics if "begins" in r] == ["start", "resume after step 10"]
     assert second.losses == train_losses(straight1)

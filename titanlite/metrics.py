@@ -223,6 +223,19 @@ class MetricsLogger:
             self.writer.add_scalar("loss/validation", loss, step)
         print(f"step {step:6d}  val_loss {loss:.4f}", flush=True)
 
+    def log_eval(self, step: int, values: dict[str, float]) -> None:
+        """A row of its own: {"step", "eval/<task>/<metric>", ..., "eval/seconds"}; the same TensorBoard
+        tags; one console line."""
+        if not self.enabled:
+            return
+        self._row({"step": step, **values})
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        print(f"step {step:6d}  eval " + "  ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in values.items()
+                                                   if k != "eval/seconds") + f"  ({values['eval/seconds']:.1f}s)",
+              flush=True)
+
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()

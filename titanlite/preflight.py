@@ -36,6 +36,7 @@ from titanlite.parallel.tensor import check_decoder_tp
 from titanlite.runtime.replicas import check_split
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.data.validation import preflight_data
+from titanlite.eval.score import check_layout, load_tasks
 
 
 @dataclass
@@ -67,6 +68,9 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
                    t.local_batch_size, plan.dims.dp)
     if cfg.fault_tolerance.enable:
         check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
+    if cfg.eval.tasks:  # every task's rows read and checked here, before launch
+        d = plan.dims
+        check_layout(cfg.eval, load_tasks(cfg.eval), t.seq_len, d.pp, d.tp, d.cp, d.ep)
     return plan
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, loss_context
+from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, loss_context, token_logprobs
 
 Batch = dict[str, torch.Tensor]
 
@@ -67,13 +67,15 @@ class PlainStep:
     def __post_init__(self) -> None:
         self.extra.bind([self.model])
 
-    def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
+    def _logits(self, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
         ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
                                 device=ids.device)
         with self.autocast:
-            logits = self.model(batch["input_ids"], ctx)
-        return self.loss_fn(logits, batch["labels"], extra)
+            return self.model(batch["input_ids"], ctx)
+
+    def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
+        return self.loss_fn(self._logits(batch), batch["labels"], extra)
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)
@@ -92,3 +94,9 @@ class PlainStep:
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         with loss_context(self.loss_parallel):
             return self._loss_sum(batch)
+
+    def eval_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Each label's log-probability (titanlite.loss.token_logprobs) of a prepared batch, forward
+        only: what in-loop evaluation (titanlite.eval.score) sums."""
+        with loss_context(self.loss_parallel):
+            return token_logprobs(self._logits(batch), batch["labels"])

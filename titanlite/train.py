@@ -32,6 +32,7 @@ from titanlite.data.loader import batches_of, build_dataloader, ignored_keys_not
 from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
+from titanlite.eval.score import Evaluator
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
 from titanlite.loss import LossFn, build_loss_fn, logged_terms
@@ -383,6 +384,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                        None if ft is None else ft.sync)
     data_iter = iter(loader)
     validator = build_validator(cfg, plan, meshes)
+    evaluator = Evaluator(cfg.eval, plan.tokenizer, t.seq_len, dp_rank, dims.dp, meshes.loss_group)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
     metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, restarted)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
@@ -435,6 +437,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             val_start = time.perf_counter()
             metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
+        if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score), timed as validation is
+            guard.phase("validation")
+            metrics.log_eval(step, scores := evaluator(parts, prepare, train_step.eval_logprobs, device))
+            throughput.pause(scores["eval/seconds"])
 
     gc_control.stop(t.gc_freq)
     guard.phase("checkpoint save")  # the last save may still be writing

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.config.data import Data, Validation
+from titanlite.config.eval import Eval
 
 @dataclass(frozen=True)
 class Job:
@@ -439,6 +440,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
+    eval: Eval = field(default_factory=Eval)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -16,6 +16,7 @@ import bisect
 import inspect
 import re
 import zlib
+from dataclasses import dataclass
 
 from titanlite.data.sources import stdlib_files
 
@@ -51,8 +52,23 @@ def _chat(qualname: str, params: str, answer: str) -> list[dict]:
     return chat
 
 
-def stdlib_chats() -> list[tuple[str, list[dict]]]:
-    """(where, messages) of every chat of the set, in order."""
+@dataclass(frozen=True)
+class StdlibFunction:
+    """A public standard-library function or method with a docstring, as the source writes it."""
+
+    qualname: str
+    params: str
+    """Its parameters on one line (a method's self or cls left out)."""
+    answer: str
+    """The docstring's first paragraph on one line (_answer)."""
+    line: str
+    """Its `def` line from the name on (`dumps(obj, *, skipkeys=False, ...):`), "" where the
+    signature spans lines."""
+
+
+def stdlib_functions() -> list[StdlibFunction]:
+    """Every function of the set, in the order of the embedded source: what the chat set asks
+    about and what the built-in evaluation tasks (titanlite.eval.builtin) are made of."""
     out = []
     for path, text in stdlib_files():
         module = _module(path)
@@ -73,6 +89,13 @@ def stdlib_chats() -> list[tuple[str, list[dict]]]:
             params = [p for p in " ".join(m.group("args").split()).rstrip(", ").split(", ") if p]
             if owner and params and params[0] in ("self", "cls"):
                 params = params[1:]
-            qualname = f"{module}.{owner}{m.group('name')}"
-            out.append((f"the built-in chat set, {qualname}", _chat(qualname, ", ".join(params), answer)))
+            head = text[m.start("name"):text.index("\n", m.start("name"))]
+            out.append(StdlibFunction(f"{module}.{owner}{m.group('name')}", ", ".join(params), answer,
+                                      head if head.endswith(":") else ""))
     return out
+
+
+def stdlib_chats() -> list[tuple[str, list[dict]]]:
+    """(where, messages) of every chat of the set, in order."""
+    return [(f"the built-in chat set, {f.qualname}", _chat(f.qualname, f.params, f.answer))
+            for f in stdlib_functions()]

@@ -1,0 +1,142 @@
+"""In-loop evaluation on the training layout: no gather of the model to one rank.
+
+Requests (titanlite.eval.requests) are split over the data-parallel ranks by index (request i on
+rank i mod dp), one request per sequence of training.seq_len tokens, eval.batch_size sequences per
+forward; every rank runs the same number of forwards (a short rank's last batch is padding), as
+FSDP's collectives need. Each request's log-likelihood is the sum of its target tokens'
+titanlite.loss.token_logprobs (the training loss's terms) by titanlite.loss.segment_sums, in
+float64, on this rank's share of the sequence (context parallel); one all-reduce over the loss
+group (dp x cp; tensor-parallel ranks hold the same sums) gives every rank every request's
+value, so the metrics are those of one process on any layout. Exact-match prompts go through
+titanlite.generate.generate, split the same way, each rank running max_new_tokens decode steps.
+Nothing here draws from the training RNG or reads the training data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.config.eval import BUILTIN_TASKS, Eval
+from titanlite.data.packing import IGNORE_INDEX
+from titanlite.data.tokenizer import Tokenizer
+from titanlite.errors import ConfigError
+from titanlite.eval.requests import Request, first_line, task_requests, task_metrics
+from titanlite.eval import builtin
+from titanlite.eval.tasks import Task, read_task
+from titanlite.generate import generate
+from titanlite.loss import segment_sums
+
+
+def load_tasks(cfg: Eval) -> list[Task]:
+    """The tasks eval.tasks names, each cut to eval.limit examples."""
+    out = []
+    for name in cfg.tasks:
+        if name in BUILTIN_TASKS:
+            task = builtin.make(name)
+            out.append(Task(task.name, task.kind, task.rows[:cfg.limit or None]))
+        else:
+            out.append(read_task(name, cfg.limit))
+    return out
+
+
+def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, cp: int, ep: int) -> None:
+    """What the first version cannot score, refused before launch."""
+    if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
+        raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
+                          f"{seq_len}; lower it")
+    if cfg.tasks and pp > 1:
+        raise ConfigError("eval.tasks: scoring under pipeline parallel is not supported yet; drop [eval] tasks "
+                          "for this run and score its checkpoints with python -m titanlite.eval")
+    exact = [t.name for t in tasks if t.kind == "exact"]
+    if exact and max(tp, cp, ep) > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates, which the loop supports under "
+                          "data parallel (FSDP) only, not tensor, context or expert parallel; drop it from "
+                          "eval.tasks or score it with python -m titanlite.eval")
+
+
+def _batches(n: int, rank: int, degree: int, size: int) -> list[list[int]]:
+    """This rank's request indices in batches of `size`; every rank gets as many batches."""
+    mine = list(range(rank, n, degree))
+    per_rank = -(-n // degree)
+    count = -(-per_rank // size)
+    return [mine[b * size:(b + 1) * size] for b in range(count)]
+
+
+@dataclass
+class Evaluator:
+    cfg: Eval
+    tokenizer: Tokenizer
+    seq_len: int
+    dp_rank: int
+    dp_degree: int
+    group: dist.ProcessGroup | None
+    """The loss group: request sums add up over it."""
+
+    def __post_init__(self) -> None:
+        self.tasks = load_tasks(self.cfg)
+        eos = self.tokenizer.eos_id
+        self.requests = {t.name: task_requests(t, self.tokenizer.encode, eos, self.seq_len)
+                         for t in self.tasks if t.kind != "exact"}
+
+    def due(self, step: int, last_step: int) -> bool:
+        return bool(self.tasks) and (step % self.cfg.interval == 0 or step == last_step)
+
+    def log_likelihoods(self, requests: list[Request], prepare: Callable[[dict], dict],
+                        logprobs: Callable[[dict], torch.Tensor], device: torch.device) -> torch.Tensor:
+        """[len(requests)] float64 log-likelihoods, the same on every rank."""
+        size, length = self.cfg.batch_size, self.seq_len
+        out = torch.zeros(len(requests), dtype=torch.float64, device=device)
+        for idx in _batches(len(requests), self.dp_rank, self.dp_degree, size):
+            ids = torch.zeros(size, length, dtype=torch.long)
+            labels = torch.full((size, length), IGNORE_INDEX, dtype=torch.long)
+            for row, i in enumerate(idx):
+                r = requests[i]
+                n = len(r.tokens) - 1
+                ids[row, :n] = torch.tensor(r.tokens[:-1])
+                labels[row, n - r.n_target:n] = torch.tensor(r.tokens[n - r.n_target + 1:])
+            batch = prepare({"input_ids": ids, "labels": labels})
+            lp = logprobs(batch).double()
+            rows = torch.arange(size, device=lp.device)[:, None].expand_as(lp)
+            segments = torch.where(batch["labels"] != IGNORE_INDEX, rows, -1)
+            sums = segment_sums(lp, segments, size)[:len(idx)].to(device)
+            out[torch.tensor(idx, dtype=torch.long, device=device)] += sums
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def exact_match(self, task: Task, model: nn.Module, device: torch.device) -> float:
+        """The share of prompts whose greedy generation's first line equals the answer."""
+        tok, steps = self.tokenizer, self.cfg.max_new_tokens
+        hits = torch.zeros(len(task.rows), dtype=torch.float64, device=device)
+        for idx in _batches(len(task.rows), self.dp_rank, self.dp_degree, self.cfg.batch_size):
+            # prompts cut to leave room for every step: each rank runs exactly `steps` forwards
+            prompts = [([tok.eos_id] + tok.encode(task.rows[i]["prompt"]))[-(self.seq_len - steps):] for i in idx]
+            gens = generate(model, prompts or [[tok.eos_id]], max_new_tokens=steps, context=self.seq_len)
+            for i, g in zip(idx, gens):
+                hits[i] = float(first_line(tok.decode(g.ids)) == task.rows[i]["answer"].strip())
+        dist.all_reduce(hits, group=self.group)
+        return hits.mean().item()
+
+    def __call__(self, parts: list[nn.Module], prepare: Callable[[dict], dict],
+                 logprobs: Callable[[dict], torch.Tensor], device: torch.device) -> dict[str, float]:
+        """{"eval/<task>/<metric>": value, ..., "eval/seconds": this evaluation's time}."""
+        start = time.perf_counter()
+        for part in parts:
+            part.eval()
+        out = {}
+        with torch.no_grad():
+            for task in self.tasks:
+                if task.kind == "exact":
+                    out[f"eval/{task.name}/exact_match"] = self.exact_match(task, parts[0], device)
+                    continue
+                lls = self.log_likelihoods(self.requests[task.name], prepare, logprobs, device).tolist()
+                out.update({f"eval/{task.name}/{k}": v for k, v in task_metrics(task, lls).items()})
+        for part in parts:
+            part.train()
+        out["eval/seconds"] = time.perf_counter() - start
+        return out
