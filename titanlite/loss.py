@@ -164,11 +164,13 @@ def build_loss_fn(cfg: Compile, loss_parallel: bool, z_loss: float = 0.0) -> Los
                                  else _ce_and_lse_sq_sums), ce)
 
 
-def logged_terms(names: tuple[str, ...], tp_replicated: tuple[str, ...], z_loss: float
+def logged_terms(names: tuple[str, ...], tp_replicated: tuple[str, ...], z_loss: float, more: tuple[str, ...] = ()
                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The extra loss terms a run logs (a model's `names`, those of them tensor-parallel ranks hold
-    alike), and with a z-loss its term, which every tensor-parallel rank holds alike."""
-    return ((*names, Z_LOSS), (*tp_replicated, Z_LOSS)) if z_loss else (names, tp_replicated)
+    alike), with a z-loss its term and the loss's own `more` (preference metrics), which every
+    tensor-parallel rank holds alike."""
+    own = (Z_LOSS, *more) if z_loss else more
+    return (*names, *own), (*tp_replicated, *own)
 
 
 # ---- extra loss terms that a model adds (e.g. MoE load balancing) ----------------------
