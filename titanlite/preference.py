@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titanlite.config.data import Preference
@@ -121,6 +122,7 @@ class FrozenCopy:
     checkpoint, so a resumed run's reference is the same. The reference pass swaps it in and out."""
 
     def __init__(self, parts: list[nn.Module]) -> None:
+        self.fsdp = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
         self.params = {f"{i}.{n}": p for i, part in enumerate(parts) for n, p in part.named_parameters()}
         self.copy = {n: p.detach().clone() for n, p in self.params.items()}
         self.taken = False
@@ -145,16 +147,24 @@ class FrozenCopy:
                     _local(self.copy[n]).copy_(_local(p))
             self.taken = True
 
+    def _reshard(self) -> None:
+        for module in self.fsdp:
+            module.reshard()
+
     @contextlib.contextmanager
     def swapped_in(self):
         self._take()
         with torch.no_grad():
             policy = {n: _local(p).clone() for n, p in self.params.items()}
+            # FSDP keeps some modules (the root, the last block) gathered after a forward: a forward
+            # would use the weights gathered before the swap, not the shards swapped in
+            self._reshard()
             for n, p in self.params.items():
                 _local(p).copy_(_local(self.copy[n]))
             try:
                 yield
             finally:
+                self._reshard()
                 for n, p in self.params.items():
                     _local(p).copy_(policy[n])
 

@@ -183,10 +183,14 @@ def _check_chat(d: Data) -> None:
         raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
 
 
-def check_preference(p: Preference, d: Data, lora: bool) -> None:
+def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1) -> None:
     """The [preference] section's values and what it needs of the rest, before any file is read."""
     if d.format != "preference":
         return
+    if pp > 1:
+        raise ConfigError("data.format preference does not run pipeline parallel yet (the reference pass would "
+                          "run before the schedule's first step sets up its stages); set "
+                          "parallelism.pipeline_parallel_degree = 1")
     if not p.beta > 0:
         raise ConfigError(f"preference.beta must be > 0, got {p.beta}")
     if p.sft_weight < 0:
