@@ -3,7 +3,8 @@ LoRA (the reference: the adapters off) on FSDP 2 with two micro-batches per step
 FSDP 2 resumed from step 5, TP 2, CP 2 and EP 2 (qwen3_moe), and full fine-tuning with a
 frozen reference copy (preference.reference = model) on FSDP 2, straight and resumed from step 5.
 Every run's losses equal one process's over 10 steps (1e-6 at step 1, 1e-4 after), resumed runs are
-bitwise the straight ones, and step 1 is ln 2 (policy = reference). PP is refused before launch
+bitwise the straight ones, step 1 is ln 2 (policy = reference), and the held-out pairs' metrics
+(validation) are one process's. PP is refused before launch
 (tests/test_preference.py)."""
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def write_pairs(path: Path, n: int) -> Path:
     return path
 
 
-def _rows(dump: Path, run: str | None = None) -> list[dict]:
+def _rows(dump: Path, run: str | None = None, key: str = "loss") -> list[dict]:
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r and (run is None or r["run"] == run)]
+    return [r for r in rows if key in r and (run is None or r["run"] == run)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def layouts(tmp_path_factory):
     data = write_pairs(root / "pairs.jsonl", 200)
     base = [*TINY, "--training.seq_len", "128", "--training.global_batch_size", "8", "--data.path", str(data),
             "--data.format", "preference", "--data.tokenizer", "byte_chat", "--data.document_mask", "true",
-            "--preference.beta", "0.5", "--optimizer.lr", "1e-3"]
+            "--preference.beta", "0.5", "--optimizer.lr", "1e-3", "--data.holdout_fraction", "0.1",
+            "--validation.freq", "5", "--validation.steps", "1"]
     lora = [*base, "--lora.rank", "4", "--lora.target_modules", "wq,wv,wo"]
     moe = [*lora, "--model.name", "qwen3_moe"]
     full = [*base, "--preference.reference", "model", "--optimizer.lr", "1e-4"]
@@ -80,6 +82,19 @@ def test_every_layout_matches_one_process(layouts):
         diffs = [abs(a - r["loss"]) / a for a, r in zip(ref.losses, got)]
         print(f"{name}: first-step loss rel. diff {diffs[0]:.1e}, worst of {len(diffs)} steps {max(diffs):.1e}")
     assert max(r["rewards/accuracies"] for r in _rows(layouts["dumps"]["fsdp2"], "straight")) > 0.5  # it learns
+
+
+def test_held_out_pairs_are_validated_with_trls_metrics_on_every_layout(layouts):
+    """Validation at steps 5 and 10 on the held-out pairs: the loss and TRL's metrics (val_rewards/...)
+    equal one process's on each layout."""
+    names = ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen")
+    ref = [r for r in _rows(layouts["refs"]["llama3"].dump, key="val_loss")]
+    assert [r["step"] for r in ref] == [5, 10] and ref[-1]["val_rewards/margins"] > 0
+    for name in ("tp2", "cp2"):
+        got = _rows(layouts["dumps"][name], key="val_loss")
+        for a, b in zip(ref, got):
+            for n in names:
+                assert b[n] == pytest.approx(a[n], rel=1e-4, abs=1e-6), (name, n, a[n], b[n])
 
 
 def test_a_resumed_run_is_bitwise_the_straight_one(layouts):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,24 +92,40 @@ class PreferenceLoss:
     """A LossFn over preference labels: the sum of the micro-batch's pair losses (the step divides by
     the global pair count). Context-parallel ranks each return 1/cp of it: their sums are all-reduced
     with their graph, so each rank's gradient is the whole loss's. In a training step, each metric's
-    sum joins the step's extra terms (logged per pair); outside one, sums are added to `held_out`
-    when it is a dict (validation)."""
+    sum joins the step's extra terms (logged per pair); outside one (validation), to `sums`."""
 
     p: Preference
     cp: int = 1
     cp_group: dist.ProcessGroup | None = None
-    held_out: dict[str, torch.Tensor] | None = None
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Outside a training step (validation): each metric's sum and the pair count, until `held_out`."""
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
         losses, metrics = pair_losses(self.p, *pair_logps(logits, labels, self.cp, self.cp_group))
         total = losses.sum() / self.cp
-        for name in METRICS:
-            value = metrics[name].sum() / self.cp
-            if extra is not None:
+        held_out = extra is None and not torch.is_grad_enabled()
+        if held_out:
+            metrics["pairs"] = torch.ones_like(losses)
+        for name, values in metrics.items():
+            value = values.sum() / self.cp
+            if held_out:
+                self.sums[name] = self.sums.get(name, 0) + value
+            elif extra is not None:
                 total = extra.add(total, name, value)
-            if self.held_out is not None and not torch.is_grad_enabled():
-                self.held_out[name] = self.held_out.get(name, 0) + value
         return total
+
+
+def held_out(loss_fn: LossFn, once: bool) -> dict[str, float]:
+    """After a validation pass of a preference run: the held-out pairs' means of TRL's metrics, named
+    val_rewards/accuracies etc. (the sums reduced over every rank, a tensor-parallel group's counted
+    on its first rank, `once`), and the sums cleared; {} for any other loss."""
+    if not isinstance(loss_fn, PreferenceLoss) or not loss_fn.sums:
+        return {}
+    names = (*METRICS, "pairs")
+    sums = torch.stack([torch.as_tensor(loss_fn.sums[n], dtype=torch.float64) for n in names]) * float(once)
+    dist.all_reduce(sums)
+    loss_fn.sums.clear()
+    return {f"val_{n}": v for n, v in zip(METRICS, (sums[:-1] / sums[-1]).tolist())}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

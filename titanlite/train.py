@@ -434,7 +434,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if validator.due(step, t.steps):
             guard.phase("validation")
             val_start = time.perf_counter()
-            metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device))
+            metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device),
+                                   preference.held_out(loss_fn, once))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
 
     gc_control.stop(t.gc_freq)
