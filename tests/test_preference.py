@@ -207,5 +207,9 @@ def test_preference_rows_and_their_bad_input(tmp_path):
                               (Preference(), True, 2, "pipeline_parallel_degree = 1")]:
         with pytest.raises(ConfigError, match=line):
             check_preference(p, data, lora, pp)
+    with pytest.raises(ConfigError, match="set training.z_loss = 0"):
+        check_preference(Preference(), data, True, z_loss=1e-4)
+    with pytest.raises(ConfigError, match="would split preference pairs"):
+        check_preference(Preference(), data, True, seq_warmup=True)
     with pytest.raises(ConfigError, match="data.format preference reads its rows whole"):
         check_data(Data(path=str(path), format="preference", tokenizer="byte_chat", streaming=True), Validation())

@@ -183,10 +183,17 @@ def _check_chat(d: Data) -> None:
         raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
 
 
-def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1) -> None:
+def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1, z_loss: float = 0.0,
+                     seq_warmup: bool = False) -> None:
     """The [preference] section's values and what it needs of the rest, before any file is read."""
     if d.format != "preference":
         return
+    if z_loss:
+        raise ConfigError("training.z_loss is a token loss's term, and data.format preference trains a pair loss; "
+                          "set training.z_loss = 0")
+    if seq_warmup:
+        raise ConfigError("training.seq_warmup cuts samples into shorter rows, which would split preference "
+                          "pairs; leave training.seq_warmup out with data.format preference")
     if pp > 1:
         raise ConfigError("data.format preference does not run pipeline parallel yet (the reference pass would "
                           "run before the schedule's first step sets up its stages); set "

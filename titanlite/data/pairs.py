@@ -140,10 +140,8 @@ class PairSamples(ChatSamples):
         self.filled = positions / max(1, len(self.rows) * seq_len)
         self.supervised = sum(int(t[1:].sum()) for _, t in self.chats) / max(1, positions)
 
-    def __getitem__(self, g: int | tuple[int, int, int]) -> dict[str, torch.Tensor]:
-        if isinstance(g, tuple):
-            raise ConfigError("data.format preference does not take a sequence-length warm-up: a row cut short "
-                              "would split pairs; set training.seq_len_warmup_steps = 0")
+    def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
+        # never a row of a sequence-length warm-up, which would cut pairs (refused before launch)
         L = self.seq_len
         ids, labels = np.full(L, self.pad_id, dtype=np.int64), np.zeros((L, LABEL_CHANNELS), dtype=np.int64)
         labels[:, TOKEN], labels[:, RESPONSE] = IGNORE_INDEX, -1
