@@ -89,9 +89,10 @@ def segment_sums(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.
     own segment id, so their log-probabilities are summed without touching padding or prompts.
     On a context-parallel or data-parallel shard, the sums of this rank's tokens: all-reduce
     them over the group that holds the rest."""
-    keep = segments >= 0
-    out = torch.zeros(n, dtype=values.dtype, device=values.device)
-    return out.index_add(0, segments[keep], values[keep])
+    # the others summed into a slot past the end and dropped: no boolean indexing, whose size
+    # depends on the values (a host sync on GPU; the dry run's fake tensors cannot size it)
+    out = torch.zeros(n + 1, dtype=values.dtype, device=values.device)
+    return out.index_add(0, torch.where(segments >= 0, segments, n).flatten(), values.flatten())[:n]
 
 
 class _LogSumExpOverShards(torch.autograd.Function):

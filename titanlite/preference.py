@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.data import Preference
 from titanlite.config.job import JobConfig
-from titanlite.data.pairs import REFERENCE, RESPONSE, TOKEN
+from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, TOKEN
 from titanlite.layers.lora import adapters_off
 from titanlite.loss import ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
 
@@ -41,8 +41,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: dist.ProcessGroup | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(policy log-prob sums, reference log-prob sums, target counts) of each pair of a micro-batch,
-    each [pairs, 2] (chosen, rejected), in row order then pair order; the policy's with its graph."""
+    """(policy log-prob sums, reference log-prob sums, target counts) of each pair slot of a
+    micro-batch, each [slots, 2] (chosen, rejected), in row order then pair order; the policy's with
+    its graph. A slot holds a pair where its chosen count is > 0 (every response has a target)."""
     tokens, response = labels[..., TOKEN], labels[..., RESPONSE]
     ref = labels[..., REFERENCE].to(torch.int32).view(torch.float32)
     rows, local = tokens.shape
@@ -56,15 +57,15 @@ def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: di
         policy = dist_fn.all_reduce(policy, group=cp_group)
         dist.all_reduce(counts, group=cp_group)
         dist.all_reduce(refs, group=cp_group)
-    counts = counts.view(-1, 2)
-    keep = counts[:, 0] > 0  # every response has a target: an empty chosen slot is no pair
-    return policy.view(-1, 2)[keep], refs.view(-1, 2)[keep], counts[keep]
+    return policy.view(-1, 2), refs.view(-1, 2), counts.view(-1, 2)
 
 
 def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Each pair's loss and TRL's metrics of it, as TRL 1.16 computes them: DPOTrainer's sigmoid,
-    ipo and sigmoid_norm (dpo_norm) and CPOTrainer's simpo."""
+    """Each pair slot's loss and TRL's metrics of it (0 where the slot holds no pair), as TRL 1.16
+    computes them: DPOTrainer's sigmoid, ipo and sigmoid_norm (dpo_norm) and CPOTrainer's simpo."""
+    keep = (counts[:, 0] > 0).to(policy.dtype)
+    counts = counts.clamp(min=1)  # an empty slot's: its terms are 0 x a finite value
     if p.loss == "simpo":
         mean = policy / counts
         losses = -F.logsigmoid(p.beta * (mean[:, 0] - mean[:, 1]) - p.gamma)
@@ -81,10 +82,11 @@ def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: 
     if p.sft_weight:
         losses = losses - p.sft_weight * policy[:, 0] / counts[:, 0]
     logps = policy.detach()
-    return losses, {"rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
-                    "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float(),
-                    "rewards/margins": rewards[:, 0] - rewards[:, 1], "logps/chosen": logps[:, 0],
-                    "logps/rejected": logps[:, 1]}
+    metrics = {"rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
+               "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).to(policy.dtype),
+               "rewards/margins": rewards[:, 0] - rewards[:, 1], "logps/chosen": logps[:, 0],
+               "logps/rejected": logps[:, 1], "pairs": torch.ones_like(keep)}
+    return losses * keep, {k: v * keep for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)
@@ -104,13 +106,11 @@ class PreferenceLoss:
         losses, metrics = pair_losses(self.p, *pair_logps(logits, labels, self.cp, self.cp_group))
         total = losses.sum() / self.cp
         held_out = extra is None and not torch.is_grad_enabled()
-        if held_out:
-            metrics["pairs"] = torch.ones_like(losses)
         for name, values in metrics.items():
             value = values.sum() / self.cp
             if held_out:
                 self.sums[name] = self.sums.get(name, 0) + value
-            elif extra is not None:
+            elif extra is not None and name in METRICS:
                 total = extra.add(total, name, value)
         return total
 
@@ -250,6 +250,16 @@ def build_objective(cfg: JobConfig, loss_parallel: bool, cp_group: dist.ProcessG
     if cfg.data.format != "preference":
         return build_loss_fn(cfg.compile, loss_parallel, cfg.training.z_loss)
     return PreferenceLoss(cfg.preference, 1 if cp_group is None else dist.get_world_size(cp_group), cp_group)
+
+
+def fake_pairs(ids: torch.Tensor) -> torch.Tensor:
+    """Preference labels for `ids` [B, S] as the dry run traces them: each row one pair, its first
+    half the chosen response, its second the rejected, every position a target."""
+    labels = torch.zeros((*ids.shape, LABEL_CHANNELS), dtype=torch.long)
+    labels[..., TOKEN] = ids
+    labels[..., RESPONSE] = (torch.arange(ids.shape[1]) >= ids.shape[1] // 2).long()
+    labels[:, 0, PAIR] = 1
+    return labels
 
 
 def wrap(step: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager] | None) -> Any:
