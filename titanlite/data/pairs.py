@@ -133,34 +133,24 @@ class PairSamples(ChatSamples):
             raise ConfigError(f"training.seq_len {seq_len}: no pair fits in one sample (both responses together); "
                               "raise training.seq_len")
         self.seq_len, self.pad_id, self.pairs = seq_len, pad_id, kept
-        self.chats = [c for pair in kept for c in pair]
-        self.rows = pack([sum(len(ids) - 1 for ids, _ in pair) for pair in kept], seq_len)
+        self.chats = [c for pair in kept for c in pair]  # pair k's responses: chats 2 k and 2 k + 1
+        self.rows = [[2 * k + r for k in row for r in (0, 1)]
+                     for row in pack([sum(len(ids) - 1 for ids, _ in pair) for pair in kept], seq_len)]
         SampleOrder.__init__(self, len(self.rows), shuffle, seed, source)
         positions = sum(len(ids) - 1 for ids, _ in self.chats)
         self.filled = positions / max(1, len(self.rows) * seq_len)
         self.supervised = sum(int(t[1:].sum()) for _, t in self.chats) / max(1, positions)
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        # never a row of a sequence-length warm-up, which would cut pairs (refused before launch)
-        L = self.seq_len
-        ids, labels = np.full(L, self.pad_id, dtype=np.int64), np.zeros((L, LABEL_CHANNELS), dtype=np.int64)
-        labels[:, TOKEN], labels[:, RESPONSE] = IGNORE_INDEX, -1
-        docs, positions, at = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), 0
-        for p, k in enumerate(self.rows[self.position(g)]):
-            for r, (chat, targets) in enumerate(self.pairs[k]):
-                chat, n, doc = chat.astype(np.int64), len(chat) - 1, 2 * p + r
-                on = targets[1:]
-                ids[at:at + n] = chat[:-1]
-                labels[at:at + n, TOKEN] = np.where(on, chat[1:], IGNORE_INDEX)
-                labels[at:at + n, RESPONSE] = np.where(on, doc, -1)
-                if r == 0:
-                    labels[at + int(np.argmax(on)), PAIR] = 1
-                docs[at:at + n], positions[at:at + n] = doc, np.arange(n)
-                at += n
-        docs[at:] = docs[at - 1] + 1  # the padding: a document of its own
-        positions[at:] = np.arange(L - at)
-        return {k: torch.from_numpy(v) for k, v in
-                (("input_ids", ids), ("labels", labels), ("document_ids", docs), ("positions", positions))}
+        # ChatSamples's sample of the row's responses (pair p's: documents 2 p and 2 p + 1), its labels
+        # given their channels; never a row of a sequence-length warm-up (refused before launch)
+        x = super().__getitem__(g)
+        tokens = x["labels"]
+        response = torch.where(tokens != IGNORE_INDEX, x["document_ids"], -1)
+        # a response's targets are its last tokens, in one run: a chosen one's first starts a run
+        first = (response >= 0) & (response % 2 == 0) & (response != response.roll(1))
+        x["labels"] = torch.stack([tokens, response, first.long(), torch.zeros_like(tokens)], -1)
+        return x
 
     def note(self) -> str:
         return (f"{len(self.pairs):,} preference pairs in {self.num_samples:,} samples of {self.seq_len} tokens "
