@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 from collections import defaultdict
 
@@ -214,3 +215,14 @@ def test_preference_rows_and_their_bad_input(tmp_path):
         check_preference(Preference(), data, True, seq_warmup=True)
     with pytest.raises(ConfigError, match="data.format preference reads its rows whole"):
         check_data(Data(path=str(path), format="preference", tokenizer="byte_chat", streaming=True), Validation())
+
+
+def test_the_dry_run_traces_the_reference_forward(capsys):
+    """A preference job's dry run traces the reference's forward beside the policy's forward and
+    backward: more FLOPs than the reference-free simpo on the same job."""
+    from titanlite.dryrun.run import main
+    flops = {}
+    for loss in ("dpo", "simpo"):
+        main(["--config", "dpo_debug.toml", "--preference.loss", loss])
+        flops[loss] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
+    assert flops["dpo"] > 1.2 * flops["simpo"], flops
