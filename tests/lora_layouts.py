@@ -42,6 +42,8 @@ def _after_initial_load(load):
 
 
 def check(plan) -> str:
+    if plan.lora is None:  # a full fine-tuning run among them: every weight trains
+        return "full fine-tuning"
     parts, optimizers, frozen = seen["parts"], seen["optimizers"], seen["frozen"]
     trains = {n: p for part in parts for n, p in part.named_parameters() if p.requires_grad}
     held = {id(p) for opt in optimizers.optimizers for g in opt.param_groups for p in g["params"]}

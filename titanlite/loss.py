@@ -89,9 +89,10 @@ def segment_sums(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.
     own segment id, so their log-probabilities are summed without touching padding or prompts.
     On a context-parallel or data-parallel shard, the sums of this rank's tokens: all-reduce
     them over the group that holds the rest."""
-    keep = segments >= 0
-    out = torch.zeros(n, dtype=values.dtype, device=values.device)
-    return out.index_add(0, segments[keep], values[keep])
+    # the others summed into a slot past the end and dropped: no boolean indexing, whose size
+    # depends on the values (a host sync on GPU; the dry run's fake tensors cannot size it)
+    out = torch.zeros(n + 1, dtype=values.dtype, device=values.device)
+    return out.index_add(0, torch.where(segments >= 0, segments, n).flatten(), values.flatten())[:n]
 
 
 class _LogSumExpOverShards(torch.autograd.Function):
@@ -164,11 +165,13 @@ def build_loss_fn(cfg: Compile, loss_parallel: bool, z_loss: float = 0.0) -> Los
                                  else _ce_and_lse_sq_sums), ce)
 
 
-def logged_terms(names: tuple[str, ...], tp_replicated: tuple[str, ...], z_loss: float
+def logged_terms(names: tuple[str, ...], tp_replicated: tuple[str, ...], z_loss: float, more: tuple[str, ...] = ()
                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The extra loss terms a run logs (a model's `names`, those of them tensor-parallel ranks hold
-    alike), and with a z-loss its term, which every tensor-parallel rank holds alike."""
-    return ((*names, Z_LOSS), (*tp_replicated, Z_LOSS)) if z_loss else (names, tp_replicated)
+    alike), with a z-loss its term and the loss's own `more` (preference metrics), which every
+    tensor-parallel rank holds alike."""
+    own = (Z_LOSS, *more) if z_loss else more
+    return (*names, *own), (*tp_replicated, *own)
 
 
 # ---- extra loss terms that a model adds (e.g. MoE load balancing) ----------------------

@@ -214,14 +214,18 @@ class MetricsLogger:
               + ("" if "straggler_ratio" not in values else f"  slowest rank {values['straggler_rank']} "
                  f"({values['straggler_host']}) {values['straggler_ratio']:.2f}x median"), flush=True)
 
-    def log_validation(self, step: int, loss: float) -> None:
-        """A row of its own: {"step", "val_loss"}; TensorBoard tag loss/validation."""
+    def log_validation(self, step: int, loss: float, more: dict[str, float] | None = None) -> None:
+        """A row of its own: {"step", "val_loss"} and `more` (a preference run's held-out rewards and
+        log-probs, "val_rewards/accuracies", ...); TensorBoard tags loss/validation and validation/NAME."""
         if not self.enabled:
             return
-        self._row({"step": step, "val_loss": loss})
+        more = more or {}
+        self._row({"step": step, "val_loss": loss, **more})
         if self.writer is not None:
             self.writer.add_scalar("loss/validation", loss, step)
-        print(f"step {step:6d}  val_loss {loss:.4f}", flush=True)
+            for key, value in more.items():
+                self.writer.add_scalar(f"validation/{key.removeprefix('val_')}", value, step)
+        print(f"step {step:6d}  val_loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in more.items()), flush=True)
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:
         """A row of its own: {"step", "eval/<task>/<metric>", ..., "eval/seconds"}; the same TensorBoard

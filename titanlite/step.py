@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, loss_context, token_logprobs
+from titanlite.data.pairs import target_count
+from titanlite.loss import ExtraLosses, LossFn, loss_context, token_logprobs
 
 Batch = dict[str, torch.Tensor]
 
@@ -40,8 +41,9 @@ class StepOutput:
 
 
 def count_targets(batches: list[Batch], group: dist.ProcessGroup) -> torch.Tensor:
-    """The global number of target tokens: local (cp-sharded) labels summed over dp x cp."""
-    n = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+    """The global number of target tokens (of pairs, for preference labels): local (cp-sharded)
+    labels summed over dp x cp."""
+    n = sum(target_count(b["labels"]) for b in batches)
     dist.all_reduce(n, group=group)
     return n
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite import preference
 from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
@@ -35,7 +36,7 @@ from titanlite.errors import ConfigError, RunError
 from titanlite.eval.score import Evaluator
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
-from titanlite.loss import LossFn, build_loss_fn, logged_terms
+from titanlite.loss import LossFn, logged_terms
 from titanlite.loop import Referee, StepResult, Update, Verdict, one_step
 from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
     reduce_losses
@@ -83,22 +84,23 @@ def build_parts(plan: Plan, meshes: Meshes, opts: ParallelizeOptions) -> list[nn
 
 
 def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshes, opts: ParallelizeOptions,
-               device: torch.device, loss_fn: LossFn, replicas: Replicas | None = None
-               ) -> PlainStep | pipeline.PipelineStep:
+               device: torch.device, loss_fn: LossFn, replicas: Replicas | None = None, reference=None
+               ) -> PlainStep | pipeline.PipelineStep | preference.PreferenceStep:
     """The step object for this layout (train.py and the dry run pick it the same way);
-    `loss_fn`: titanlite.loss.build_loss_fn's, or that wrapped (fault injection)."""
+    `loss_fn`: titanlite.preference.build_objective's, or that wrapped (fault injection);
+    `reference`: titanlite.preference.reference_of's (a preference run's reference pass)."""
     # FSDP casts parameters itself; without it, autocast gives the same mixed precision
     autocast = (torch.autocast(device.type, dtype=opts.param_dtype)
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
     if plan.stages is None:
-        return PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(), autocast,
-                         across=None if replicas is None else replicas.count)
+        return preference.wrap(PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(),
+                                         autocast, across=None if replicas is None else replicas.count), parts, reference)
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
-    return pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule, meshes,
-                                 loss_fn, opts, attn, autocast, device, shapes)
+    return preference.wrap(pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule,
+                                                 meshes, loss_fn, opts, attn, autocast, device, shapes), parts, reference)
 
 
 @dataclass(frozen=True)
@@ -140,16 +142,14 @@ class StepLog:
     """What the data set counts (titanlite.data.packing.data_counts)."""
     spikes: bool
     """training.on_spike is on: the row counts spike_steps."""
-    z_loss: float
-    """training.z_loss: the row logs loss/z when it is on."""
+    terms: tuple[tuple[str, ...], tuple[str, ...]]
+    """The extra terms the row logs, and those tensor-parallel ranks hold alike (loss.logged_terms)."""
 
     def __call__(self, step: int, result: StepResult, lr: float) -> None:
         self.guard.phase("logging")
         verdict, out = self.guard.verdict, result.out
         verdict.flush()
-        spec = self.plan.spec
-        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets,
-                               *logged_terms(spec.extra_losses, spec.tp_replicated_losses, self.z_loss), self.once)
+        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, *self.terms, self.once)
         speed, eta = self.throughput(step)
         self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
                                 "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
@@ -355,6 +355,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
                               schedule=plan.schedule)
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
+    reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -374,8 +375,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     # each rank flags where a non-finite value first appears (not inside blocks compiled whole)
     if cfg.fault_tolerance.rerun_on_nonfinite and not (cfg.compile.enable and "model" in cfg.compile.components):
         guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
-    train_step = build_step(cfg, plan, parts, meshes, opts, device,
-                            guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
+    loss_fn = preference.build_objective(cfg, opts.loss_parallel, meshes.cp.get_group() if dims.cp > 1 else None)
+    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.faulty_loss(loss_fn), ft,
+                            reference)
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
@@ -395,7 +397,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     epoch = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     epoch_of = None if epoch is None else lambda n: epoch(loader.batch_sampler.first_sample(n))
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
-                  window is not None, t.z_loss)
+                  window is not None, logged_terms(plan.spec.extra_losses, plan.spec.tp_replicated_losses, t.z_loss,
+                                                   preference.METRICS if cfg.data.format == "preference" else ()))
 
     step = start_step
     while step < t.steps:
@@ -435,7 +438,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if validator.due(step, t.steps):
             guard.phase("validation")
             val_start = time.perf_counter()
-            metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device))
+            metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device),
+                                   preference.held_out(loss_fn, once))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
         if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score), timed as validation is
             guard.phase("validation")

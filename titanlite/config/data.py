@@ -53,7 +53,9 @@ class Data:
     """text (documents back to back, cut into samples) or chat: rows of OpenAI-style messages,
     each rendered whole with the tokenizer's chat template, several packed per sample (needs
     document_mask); the loss is on the tokens data.train_on names. An empty data.path is then the
-    built-in chat set (standard-library docstrings). docs/post_training.md."""
+    built-in chat set (standard-library docstrings). preference: rows of prompt, chosen and
+    rejected messages (TRL's conversational form), trained with the [preference] loss; an empty
+    data.path is the built-in preference set. docs/post_training.md."""
     messages_field: str = "messages"
     """With format chat: the field (.jsonl) or column (.parquet, data sets) holding each row's list
     of messages: {"role": system, user, assistant or tool, "content": ...}."""
@@ -64,6 +66,24 @@ class Data:
     overlong: str = "truncate"
     """With format chat: a chat longer than training.seq_len + 1 tokens is truncate(d) to its first
     seq_len + 1 or drop(ped); the counts are logged (chats_truncated, chats_dropped)."""
+
+
+@dataclass(frozen=True)
+class Preference:
+    """With data.format preference: the pair loss (titanlite.preference)."""
+
+    loss: str = "dpo"
+    """dpo (sigmoid), ipo (length-averaged log-ratios, TRL's), simpo (reference-free, length-averaged,
+    margin gamma) or dpo_norm (DPO on length-averaged log-ratios, Tulu 3's)."""
+    beta: float = 0.1
+    """The reward scale (IPO's tau); > 0."""
+    gamma: float = 0.5
+    """SimPO's target margin (used by simpo only)."""
+    sft_weight: float = 0.0
+    """Weight of an SFT term on each chosen response (its mean target-token negative log-prob)."""
+    reference: str = "lora"
+    """lora (the same model with its adapters off; needs [lora]), model (a frozen copy of the
+    starting weights, sharded as the policy) or precomputed (not yet implemented)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +154,7 @@ def check_data(d: Data, v: Validation) -> None:
         raise ConfigError("data.document_mask needs document boundaries, which data.streaming does not "
                           "keep; turn one of them off")
     check_source(v.path, "validation.path")
-    if d.format == "chat":
+    if d.format in ("chat", "preference"):
         _check_chat(d)
     if d.shuffle_buffer < 1:
         raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
@@ -149,15 +169,47 @@ def check_data(d: Data, v: Validation) -> None:
 
 
 def _check_chat(d: Data) -> None:
-    """data.format chat: what it cannot run with, before any file is read."""
+    """data.format chat or preference: what it cannot run with, before any file is read."""
     if d.streaming:
-        raise ConfigError("data.format chat reads its rows whole to pack them; set data.streaming = false")
+        raise ConfigError(f"data.format {d.format} reads its rows whole to pack them; set data.streaming = false")
     if not d.document_mask:
-        raise ConfigError("data.format chat packs several chats per sample; set data.document_mask = true so "
-                          "that each chat attends only to itself, with its own positions")
+        raise ConfigError(f"data.format {d.format} packs several chats per sample; set data.document_mask = true "
+                          "so that each chat attends only to itself, with its own positions")
     if d.tokenizer == "byte":
-        raise ConfigError("data.format chat renders each chat with the tokenizer's chat template, and "
+        raise ConfigError(f"data.format {d.format} renders each chat with the tokenizer's chat template, and "
                           "data.tokenizer 'byte' has none; use 'byte_chat' (the same ids, with a template) or a "
                           "tokenizer folder whose tokenizer_config.json has a chat_template")
     if not d.messages_field:
         raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
+
+
+def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1, z_loss: float = 0.0,
+                     seq_warmup: bool = False) -> None:
+    """The [preference] section's values and what it needs of the rest, before any file is read."""
+    if d.format != "preference":
+        return
+    if z_loss:
+        raise ConfigError("training.z_loss is a token loss's term, and data.format preference trains a pair loss; "
+                          "set training.z_loss = 0")
+    if seq_warmup:
+        raise ConfigError("training.seq_warmup cuts samples into shorter rows, which would split preference "
+                          "pairs; leave training.seq_warmup out with data.format preference")
+    if pp > 1:
+        raise ConfigError("data.format preference does not run pipeline parallel yet (the reference pass would "
+                          "run before the schedule's first step sets up its stages); set "
+                          "parallelism.pipeline_parallel_degree = 1")
+    if not p.beta > 0:
+        raise ConfigError(f"preference.beta must be > 0, got {p.beta}")
+    if p.sft_weight < 0:
+        raise ConfigError(f"preference.sft_weight must be >= 0, got {p.sft_weight}")
+    if p.loss == "simpo":
+        return  # reference-free: preference.reference is not read
+    if p.reference == "model" and lora:
+        raise ConfigError("preference.reference = model with LoRA would copy the model needlessly: the LoRA "
+                          "model with its adapters off is the reference; set preference.reference = lora")
+    if p.reference == "lora" and not lora:
+        raise ConfigError("preference.reference = lora needs LoRA (lora.rank > 0); for full fine-tuning set "
+                          "preference.reference = model")
+    if p.reference == "precomputed":
+        raise ConfigError("preference.reference = precomputed is not implemented yet; use lora (with LoRA) or "
+                          "model (full fine-tuning)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanlite.config.data import Data, Validation
+from titanlite.config.data import Data, Preference, Validation
 from titanlite.config.eval import Eval
 
 @dataclass(frozen=True)
@@ -440,6 +440,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
+    preference: Preference = field(default_factory=Preference)
     eval: Eval = field(default_factory=Eval)
 
 
@@ -469,7 +470,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_save_error": ("stop", "continue"),
     "checkpoint.initial_load_format": ("dcp", "hf"),
     "checkpoint.export_dtype": ("", "float32", "bfloat16", "float16"),
-    "data.format": ("text", "chat"),
+    "data.format": ("text", "chat", "preference"),
+    "preference.loss": ("dpo", "ipo", "simpo", "dpo_norm"),
+    "preference.reference": ("lora", "model", "precomputed"),
     "data.train_on": ("assistant", "all", "last"),
     "data.overlong": ("truncate", "drop"),
 }

@@ -17,7 +17,7 @@ import sys
 import typing
 from pathlib import Path
 
-from titanlite.config.data import check_data, parse_ranges
+from titanlite.config.data import check_data, check_preference, parse_ranges
 from titanlite.config.eval import check_eval
 from titanlite.config.job import CHOICES, Checkpoint, JobConfig
 from titanlite.errors import ConfigError
@@ -275,6 +275,8 @@ def check_config(cfg: JobConfig) -> None:
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     check_data(cfg.data, cfg.validation)
+    check_preference(cfg.preference, cfg.data, cfg.lora.rank > 0, cfg.parallelism.pipeline_parallel_degree,
+                     t.z_loss, bool(t.seq_warmup))
     check_eval(cfg.eval)
     if cfg.data.tokenizer not in ("byte", "byte_chat") and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is not 'byte', 'byte_chat' or a folder")

@@ -25,6 +25,7 @@ from titanlite.config.data import Data, Validation
 from titanlite.config.data import parse_mix, parse_ranges
 from titanlite.errors import ConfigError
 from titanlite.data.packing import ChatSamples, chat_samples
+from titanlite.data.pairs import pair_samples
 from titanlite.data.schedule import DataSchedule
 from titanlite.data.sources import (is_token_folder, iter_records, probe_source, read_documents, source_name,
                                     unread_keys)
@@ -250,7 +251,10 @@ def mix_counts(weights: list[float]) -> list[int]:
 
 def _samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: tuple[int, ...] = ()
              ) -> TokenSamples | ChatSamples:
-    if cfg.format == "chat":
+    if cfg.format == "preference":
+        samples = pair_samples(cfg, tokenizer, seq_len, split, source)
+        size = f"{len(samples.pairs)} pairs"
+    elif cfg.format == "chat":
         samples = chat_samples(cfg, tokenizer, seq_len, split, source)
         size = f"{len(samples.chats)} chats"
     else:
@@ -288,6 +292,9 @@ def probe_data(data: Data, val: Validation) -> None:
         if data.format == "chat":
             if path:  # its first row (the built-in set needs no check)
                 next(iter_records(path, data.messages_field, split, "data.messages_field"), None)
+        elif data.format == "preference":
+            if path:  # its first row's chosen column
+                next(iter_records(path, "chosen", split, "data.format preference's 'chosen' column"), None)
         elif is_token_folder(path):
             read_index(path)  # finished and whole; the tokenizer is checked where it is opened
         else:
@@ -301,8 +308,8 @@ def ignored_keys_note(data: Data) -> str | None:
     unread = set.intersection(*(unread_keys(p) for p in paths))
     if data.format == "chat":  # the built-in chat set has no fields
         unread |= {"text_field"} | ({"messages_field"} if paths == [""] else set())
-    else:
-        unread |= {"messages_field", "train_on", "overlong"}
+    else:  # preference rows have fixed fields and their own targets
+        unread |= {"messages_field", "train_on", "overlong"} | ({"text_field"} if data.format != "text" else set())
     keys = [k for k in ("split", "text_field", "messages_field", "train_on", "overlong")
             if k in unread and getattr(data, k) != getattr(Data(), k)]
     if not keys:

@@ -17,7 +17,7 @@ from torch import nn
 from titanlite.config.data import Data, Validation
 from titanlite.errors import ConfigError
 from titanlite.data.loader import build_dataloader
-from titanlite.data.packing import IGNORE_INDEX
+from titanlite.data.pairs import target_count
 from titanlite.config.data import parse_mix
 from titanlite.data.sources import check_text, source_bytes
 from titanlite.data.chat import check_template
@@ -46,7 +46,7 @@ def preflight_data(data: Data, val: Validation, tokenizer: Tokenizer, seq_len: i
                                                                       else [p for p, _ in parse_mix(data.mix)])]
     if val.freq and val.path:
         sources.append(("validation.path", val.path))
-    if data.format == "chat":  # every row is checked as it is rendered, below or on the ranks
+    if data.format in ("chat", "preference"):  # every row is checked as it is rendered, below or on the ranks
         check_template(tokenizer, data.tokenizer)
     for key, path in sources if data.format == "text" else []:
         check_text(path, data.text_field, key)
@@ -106,7 +106,7 @@ class Validator:
             for raw, _ in zip(self.loader, range(self.val.steps * accum)):
                 batch = prepare(raw)
                 totals[0] += loss_sum(batch).double()
-                totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
+                totals[1] += target_count(batch["labels"])
         for part in parts:
             part.train()
         if self.target_group is None:

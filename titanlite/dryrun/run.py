@@ -49,7 +49,7 @@ from titanlite.dryrun.steptrace import CATEGORIES, PHASES, StepTracer
 from titanlite.errors import ConfigError, WorkerError
 from titanlite.layers import init
 from titanlite.loop import Update, one_step
-from titanlite.loss import build_loss_fn
+from titanlite import preference
 from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers
 from titanlite.parallel import context, float8
@@ -119,8 +119,11 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection,
             init.to_empty(part, "cpu")  # a tied weight counted once, as a real run holds it
             part.train()
         optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, opts.param_dtype)
+        # a preference job: its pair loss, and its reference's forward before the policy's
         step = build_step(cfg, plan, parts, meshes, opts, torch.device("cpu"),
-                          build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss))
+                          preference.build_objective(cfg, opts.loss_parallel, meshes.cp.get_group() if dims.cp > 1
+                                                     else None),
+                          reference=preference.reference_of(cfg.preference, cfg.data.format, parts, {}))
         if plan.stages is not None and not full:
             skip_microbatches(step.schedule, step.stages, tracer, plan.stages.n_microbatches)
         hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
@@ -135,7 +138,7 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection,
         batches = []
         for _ in range(accum):
             ids = torch.randint(0, plan.args.vocab_size, (t.local_batch_size, t.seq_len))
-            batch = {"input_ids": ids, "labels": ids}
+            batch = {"input_ids": ids, "labels": ids if cfg.data.format != "preference" else preference.fake_pairs(ids)}
             if dims.cp > 1:
                 batch = context.shard_batch(batch, meshes.cp.get_local_rank(), dims.cp)
             batches.append(batch)

@@ -1,0 +1,107 @@
+"""Preference optimization on every layout: one gloo launch (tests/lora_layouts.py) runs DPO with
+LoRA (the reference: the adapters off) on FSDP 2 with two micro-batches per step (saving at step 5),
+FSDP 2 resumed from step 5, TP 2, CP 2 and EP 2 (qwen3_moe), and full fine-tuning with a
+frozen reference copy (preference.reference = model) on FSDP 2, straight and resumed from step 5.
+Every run's losses equal one process's over 10 steps (1e-6 at step 1, 1e-4 after), resumed runs are
+bitwise the straight ones, step 1 is ln 2 (policy = reference), and the held-out pairs' metrics
+(validation) are one process's. PP is refused before launch
+(tests/test_preference.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from harness import TINY, assert_parity, reference, spawn_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_pairs(path: Path, n: int) -> Path:
+    """n short pairs in TRL's conversational form: the chosen answer names the question's number."""
+    rows = [{"prompt": [{"role": "user", "content": f"Q{i}?"}],
+             "chosen": [{"role": "assistant", "content": f"A{i} yes."}],
+             "rejected": [{"role": "assistant", "content": f"no {i * 7 % 13}"}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rows(dump: Path, run: str | None = None, key: str = "loss") -> list[dict]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if key in r and (run is None or r["run"] == run)]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference")
+    data = write_pairs(root / "pairs.jsonl", 200)
+    base = [*TINY, "--training.seq_len", "128", "--training.global_batch_size", "8", "--data.path", str(data),
+            "--data.format", "preference", "--data.tokenizer", "byte_chat", "--data.document_mask", "true",
+            "--preference.beta", "0.5", "--optimizer.lr", "1e-3", "--data.holdout_fraction", "0.1",
+            "--validation.freq", "5", "--validation.steps", "1"]
+    lora = [*base, "--lora.rank", "4", "--lora.target_modules", "wq,wv,wo"]
+    moe = [*lora, "--model.name", "qwen3_moe"]
+    full = [*base, "--preference.reference", "model", "--optimizer.lr", "1e-4"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
+    runs = {
+        "fsdp2": [*lora, "--training.local_batch_size", "2", *ckpt, "--job.run_name", "straight"],
+        "resumed": [*lora, "--training.local_batch_size", "2", *ckpt, "--job.run_name", "resumed",
+                    "--checkpoint.load_step", "5"],
+        "tp2": [*lora, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+        "cp2": [*lora, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+        "ep2": [*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+        "full_fsdp2": [*full, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
+        "full_resumed": [*full, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
+                         "--checkpoint.load_step", "5"],
+    }
+    shared = {"resumed": "fsdp2", "full_resumed": "full_fsdp2"}
+    dumps = {name: root / shared.get(name, name) for name in runs}
+    argv = " + ".join(" ".join([*args, "--job.dump_folder", str(dumps[name])]) for name, args in runs.items())
+    codes, output = spawn_ranks(2, [str(REPO / "tests" / "lora_layouts.py"), *argv.split()], timeout=900)
+    assert codes == [0, 0], output[-6000:]
+    refs = {"llama3": reference([*lora, "--training.local_batch_size", "8"]),
+            "qwen3_moe": reference([*moe, "--training.local_batch_size", "8"]),
+            "full": reference([*full, "--training.local_batch_size", "8"])}
+    return dict(runs=runs, dumps=dumps, output=output, refs=refs)
+
+
+def test_every_layout_matches_one_process(layouts):
+    out = layouts["output"]
+    for i, name in enumerate(layouts["runs"]):
+        lines = re.findall(rf"rank \d run {i}: (.*)", out)
+        assert len(lines) == 2 and all("optimizer exact: True" in x and "frozen unchanged: True" in x
+                                       or x == "full fine-tuning" for x in lines), (name, lines, out[-4000:])
+    for name in ("fsdp2", "tp2", "cp2", "ep2", "full_fsdp2"):
+        ref = layouts["refs"]["qwen3_moe" if name == "ep2" else "full" if name.startswith("full") else "llama3"]
+        got = _rows(layouts["dumps"][name], "straight" if name.endswith("fsdp2") else None)
+        assert_parity(ref.losses, [r["loss"] for r in got])
+        assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["rewards/margins"] == 0.0
+        diffs = [abs(a - r["loss"]) / a for a, r in zip(ref.losses, got)]
+        print(f"{name}: first-step loss rel. diff {diffs[0]:.1e}, worst of {len(diffs)} steps {max(diffs):.1e}")
+    assert max(r["rewards/accuracies"] for r in _rows(layouts["dumps"]["fsdp2"], "straight")) > 0.5  # it learns
+
+
+def test_held_out_pairs_are_validated_with_trls_metrics_on_every_layout(layouts):
+    """Validation at steps 5 and 10 on the held-out pairs: the loss and TRL's metrics (val_rewards/...)
+    equal one process's on each layout."""
+    names = ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen")
+    ref = [r for r in _rows(layouts["refs"]["llama3"].dump, key="val_loss")]
+    assert [r["step"] for r in ref] == [5, 10] and ref[-1]["val_rewards/margins"] > 0
+    for name in ("tp2", "cp2"):
+        got = _rows(layouts["dumps"][name], key="val_loss")
+        for a, b in zip(ref, got):
+            for n in names:
+                assert b[n] == pytest.approx(a[n], rel=1e-4, abs=1e-6), (name, n, a[n], b[n])
+
+
+def test_a_resumed_run_is_bitwise_the_straight_one(layouts):
+    """LoRA (the reference: adapters off) and full fine-tuning (the frozen copy, saved with each
+    checkpoint): steps 6-10 after a resume from step 5 are the straight run's, bit for bit."""
+    for dump in (layouts["dumps"]["fsdp2"], layouts["dumps"]["full_fsdp2"]):
+        straight, resumed = _rows(dump, "straight"), _rows(dump, "resumed")
+        assert [r["step"] for r in resumed] == list(range(6, 11))
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[5:]]
+        assert [r["rewards/margins"] for r in resumed] == [r["rewards/margins"] for r in straight[5:]]

@@ -1,0 +1,267 @@
+"""Preference optimization (data.format preference, [preference]): the DPO family as a loss over
+the same model outputs as SFT's, and the reference model's pass that comes before it.
+
+A pair's sequence log-probability is the sum of titanlite.loss.token_logprobs over its response's
+target tokens (segment_sums by the RESPONSE channel of the labels, titanlite.data.pairs), all-reduced
+over the context-parallel ranks that hold the rest of the sequence. The step divides the loss sum by
+the step's global pair count (the PAIR channel), as it divides a token loss by the target count, so
+the loss does not depend on the layout or the micro-batch split.
+
+The reference's per-token log-probs are computed by the step itself, before the policy's forward:
+the same step's forward-only path (every layout's, pipeline included), in eval mode under no_grad,
+with the LoRA adapters off (preference.reference = lora) or with the starting weights swapped in
+(model), written into the labels' REFERENCE channel, which the loss sums like the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from titanlite.config.data import Preference
+from titanlite.config.job import JobConfig
+from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, TOKEN
+from titanlite.layers.lora import adapters_off
+from titanlite.loss import ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+"""TRL's names for the per-pair means a preference run logs (metrics.jsonl; TensorBoard train/...)."""
+
+
+def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: dist.ProcessGroup | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(policy log-prob sums, reference log-prob sums, target counts) of each pair slot of a
+    micro-batch, each [slots, 2] (chosen, rejected), in row order then pair order; the policy's with
+    its graph. A slot holds a pair where its chosen count is > 0 (every response has a target)."""
+    tokens, response = labels[..., TOKEN], labels[..., RESPONSE]
+    ref = labels[..., REFERENCE].to(torch.int32).view(torch.float32)
+    rows, local = tokens.shape
+    per_row = local * cp + local * cp % 2  # a row holds fewer responses than positions
+    segments = torch.where(response >= 0, response + per_row * torch.arange(rows, device=tokens.device)[:, None], -1)
+    n = rows * per_row
+    policy = segment_sums(token_logprobs(logits, tokens), segments, n)
+    counts = segment_sums(torch.ones_like(ref), segments, n)
+    refs = segment_sums(ref, segments, n)
+    if cp_group is not None:  # the rest of each response is on the other context-parallel ranks
+        policy = dist_fn.all_reduce(policy, group=cp_group)
+        dist.all_reduce(counts, group=cp_group)
+        dist.all_reduce(refs, group=cp_group)
+    return policy.view(-1, 2), refs.view(-1, 2), counts.view(-1, 2)
+
+
+def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each pair slot's loss and TRL's metrics of it (0 where the slot holds no pair), as TRL 1.16
+    computes them: DPOTrainer's sigmoid, ipo and sigmoid_norm (dpo_norm) and CPOTrainer's simpo."""
+    keep = (counts[:, 0] > 0).to(policy.dtype)
+    counts = counts.clamp(min=1)  # an empty slot's: its terms are 0 x a finite value
+    if p.loss == "simpo":
+        mean = policy / counts
+        losses = -F.logsigmoid(p.beta * (mean[:, 0] - mean[:, 1]) - p.gamma)
+        rewards = p.beta * mean.detach()
+    else:
+        ratios = policy - ref
+        if p.loss == "dpo":
+            losses = -F.logsigmoid(p.beta * (ratios[:, 0] - ratios[:, 1]))
+        else:
+            per_token = ratios / counts
+            delta = per_token[:, 0] - per_token[:, 1]
+            losses = (delta - 1 / (2 * p.beta)) ** 2 if p.loss == "ipo" else -F.logsigmoid(p.beta * delta)
+        rewards = p.beta * ratios.detach()
+    if p.sft_weight:
+        losses = losses - p.sft_weight * policy[:, 0] / counts[:, 0]
+    logps = policy.detach()
+    metrics = {"rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
+               "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).to(policy.dtype),
+               "rewards/margins": rewards[:, 0] - rewards[:, 1], "logps/chosen": logps[:, 0],
+               "logps/rejected": logps[:, 1], "pairs": torch.ones_like(keep)}
+    return losses * keep, {k: v * keep for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A LossFn over preference labels: the sum of the micro-batch's pair losses (the step divides by
+    the global pair count). Context-parallel ranks each return 1/cp of it: their sums are all-reduced
+    with their graph, so each rank's gradient is the whole loss's. In a training step, each metric's
+    sum joins the step's extra terms (logged per pair); outside one (validation), to `sums`."""
+
+    p: Preference
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Outside a training step (validation): each metric's sum and the pair count, until `held_out`."""
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
+        losses, metrics = pair_losses(self.p, *pair_logps(logits, labels, self.cp, self.cp_group))
+        total = losses.sum() / self.cp
+        held_out = extra is None and not torch.is_grad_enabled()
+        for name, values in metrics.items():
+            value = values.sum() / self.cp
+            if held_out:
+                self.sums[name] = self.sums.get(name, 0) + value
+            elif extra is not None and name in METRICS:
+                total = extra.add(total, name, value)
+        return total
+
+
+def held_out(loss_fn: LossFn, once: bool) -> dict[str, float]:
+    """After a validation pass of a preference run: the held-out pairs' means of TRL's metrics, named
+    val_rewards/accuracies etc. (the sums reduced over every rank, a tensor-parallel group's counted
+    on its first rank, `once`), and the sums cleared; {} for any other loss."""
+    if not isinstance(loss_fn, PreferenceLoss) or not loss_fn.sums:
+        return {}
+    names = (*METRICS, "pairs")
+    sums = torch.stack([torch.as_tensor(loss_fn.sums[n], dtype=torch.float64) for n in names]) * float(once)
+    dist.all_reduce(sums)
+    loss_fn.sums.clear()
+    return {f"val_{n}": v for n, v in zip(METRICS, (sums[:-1] / sums[-1]).tolist())}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FrozenCopy:
+    """preference.reference = model: the starting weights, a copy of each parameter as the policy holds
+    it (sharded alike), taken at the first reference pass (after any initial load) and saved with each
+    checkpoint, so a resumed run's reference is the same. The reference pass swaps it in and out."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.fsdp = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
+        self.params = {f"{i}.{n}": p for i, part in enumerate(parts) for n, p in part.named_parameters()}
+        self.copy = {n: p.detach().clone() for n, p in self.params.items()}
+        self.taken = False
+
+    def __len__(self) -> int:  # saved with every checkpoint (CheckpointManager.optional)
+        return 1
+
+    def state_dict(self) -> dict[str, Any]:
+        self._take()
+        return dict(self.copy)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for n, t in self.copy.items():
+                _local(t).copy_(_local(sd[n]))
+        self.taken = True
+
+    def _take(self) -> None:
+        if not self.taken:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    _local(self.copy[n]).copy_(_local(p))
+            self.taken = True
+
+    def _reshard(self) -> None:
+        for module in self.fsdp:
+            module.reshard()
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        self._take()
+        with torch.no_grad():
+            policy = {n: _local(p).clone() for n, p in self.params.items()}
+            # FSDP keeps some modules (the root, the last block) gathered after a forward: a forward
+            # would use the weights gathered before the swap, not the shards swapped in
+            self._reshard()
+            for n, p in self.params.items():
+                _local(p).copy_(_local(self.copy[n]))
+            try:
+                yield
+            finally:
+                self._reshard()
+                for n, p in self.params.items():
+                    _local(p).copy_(policy[n])
+
+
+def reference_of(p: Preference, fmt: str, parts: list[nn.Module], optional: dict[str, Any]
+                 ) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """What turns the policy into the reference for a forward, or None (no preference data; simpo needs
+    none). A frozen copy (reference = model) is registered in `optional` to be checkpointed."""
+    if fmt != "preference" or p.loss == "simpo":
+        return None
+    if p.reference == "model":
+        optional["reference"] = copy = FrozenCopy(parts)
+        return copy.swapped_in
+    return lambda: _all_off(parts)
+
+
+@contextlib.contextmanager
+def _all_off(parts: list[nn.Module]):
+    with contextlib.ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(adapters_off(part))
+        yield
+
+
+def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
+    return token_logprobs(logits, labels[..., TOKEN])
+
+
+class PreferenceStep:
+    """A step (PlainStep or the pipeline's) whose micro-batches get the reference's per-token log-probs
+    first, in training and in validation; everything else is the inner step's."""
+
+    def __init__(self, inner: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager]
+                 ) -> None:
+        self.inner, self.parts, self.reference = inner, parts, reference
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _fill(self, batch: dict[str, torch.Tensor]) -> None:
+        loss_fn, modes = self.inner.loss_fn, [part.training for part in self.parts]
+        self.inner.loss_fn = _reference_logprobs
+        for part in self.parts:
+            part.eval()  # no dropout in the reference (LoRA's included)
+        try:
+            with torch.no_grad(), self.reference():
+                logprobs = self.inner.eval_loss_sum(batch)
+        finally:
+            self.inner.loss_fn = loss_fn
+            for part, mode in zip(self.parts, modes):
+                part.train(mode)
+        if logprobs.ndim == 2:  # a pipeline stage before the last computes no loss: its labels go unread
+            batch["labels"][..., REFERENCE] = logprobs.view(torch.int32).to(torch.int64)
+
+    def __call__(self, batches: list[dict[str, torch.Tensor]]):
+        for batch in batches:
+            self._fill(batch)
+        return self.inner(batches)
+
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self._fill(batch)
+        return self.inner.eval_loss_sum(batch)
+
+
+def build_objective(cfg: JobConfig, loss_parallel: bool, cp_group: dist.ProcessGroup | None) -> LossFn:
+    """The run's loss: a PreferenceLoss for preference data, else titanlite.loss.build_loss_fn's."""
+    if cfg.data.format != "preference":
+        return build_loss_fn(cfg.compile, loss_parallel, cfg.training.z_loss)
+    return PreferenceLoss(cfg.preference, 1 if cp_group is None else dist.get_world_size(cp_group), cp_group)
+
+
+def fake_pairs(ids: torch.Tensor) -> torch.Tensor:
+    """Preference labels for `ids` [B, S] as the dry run traces them: each row one pair, its first
+    half the chosen response, its second the rejected, every position a target."""
+    labels = torch.zeros((*ids.shape, LABEL_CHANNELS), dtype=torch.long)
+    labels[..., TOKEN] = ids
+    labels[..., RESPONSE] = (torch.arange(ids.shape[1]) >= ids.shape[1] // 2).long()
+    labels[:, 0, PAIR] = 1
+    return labels
+
+
+def wrap(step: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager] | None) -> Any:
+    """The step, with the reference pass where the run has a reference."""
+    return step if reference is None else PreferenceStep(step, parts, reference)
