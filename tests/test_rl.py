@@ -1,0 +1,109 @@
+"""GRPO (titanlite.rl): the loss against TRL's, advantages, the KL at the start."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titanlite.loss import IGNORE_INDEX
+from titanlite.rl.loss import PolicyLoss, group_advantages, token_scale
+
+LOSS_TYPES = {"token": "dapo", "sequence": "grpo", "group": "dr_grpo"}
+
+
+def _trl_loss(model, inputs: dict, loss_type: str, beta: float, eps: tuple[float, float], temperature: float,
+              max_new: int) -> torch.Tensor:
+    """TRL 1.16's GRPOTrainer._compute_loss, called on a stand-in for the trainer holding what it reads."""
+    trl = pytest.importorskip("trl.trainer.grpo_trainer")
+    trainer_cls = trl.GRPOTrainer
+    acc = SimpleNamespace(num_processes=1, is_main_process=True, autocast=contextlib.nullcontext, gather=lambda x: x,
+                          gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x, sync_gradients=True)
+    me = SimpleNamespace(model=model, accelerator=acc, temperature=temperature, top_entropy_quantile=1.0,
+                         off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+                         loss_type=loss_type, epsilon_low=eps[0], epsilon_high=eps[1], use_vllm=False,
+                         current_gradient_accumulation_steps=1, max_completion_length=max_new,
+                         _entropy_bonus_enabled=False, aux_loss_enabled=False,
+                         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+                         args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1))
+    me._get_per_token_logps_and_entropies = trainer_cls._get_per_token_logps_and_entropies.__get__(me)
+    return trainer_cls._compute_loss(me, model, inputs)
+
+
+def _tiny_hf():
+    transformers = pytest.importorskip("transformers")
+    from trl.trainer.utils import add_fused_lm_head
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    return model
+
+
+def test_loss_equals_trl_for_each_norm():
+    """On a fixed batch of completions (ragged prompts and completions, two groups, one of equal
+    rewards), titanlite's loss and its gradients equal TRL 1.16's GRPO loss for each loss_norm, with
+    clipping (old log-probs given), DAPO's clip_eps_high and the k3 KL to a reference."""
+    model = _tiny_hf()
+    g = torch.Generator().manual_seed(1)
+    batch, prompt_len, max_new, temp, eps = 6, 5, 7, 0.7, (0.2, 0.28)
+    prompt_ids = torch.randint(1, 64, (batch, prompt_len), generator=g)
+    prompt_mask = torch.ones(batch, prompt_len, dtype=torch.long)
+    prompt_mask[1, :2] = 0  # left padding
+    lengths = torch.tensor([7, 3, 5, 1, 6, 7])
+    completion_ids = torch.randint(1, 64, (batch, max_new), generator=g)
+    completion_mask = (torch.arange(max_new) < lengths[:, None]).long()
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # the second group's rewards are all equal
+    adv = group_advantages(rewards, 3)
+    assert (adv[3:] == 0).all() and adv[:3].abs().min() > 0.5
+    old = -torch.rand(batch, max_new, generator=g) * 4  # far from the policy's: many ratios clipped
+    ref = -torch.rand(batch, max_new, generator=g) * 4
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    labels = torch.full((batch, ids.shape[1] - 1), IGNORE_INDEX)
+    window = slice(prompt_len - 1, prompt_len - 1 + max_new)
+    labels[:, window] = completion_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # per completion token -> aligned with labels
+        out = torch.zeros(labels.shape)
+        out[:, window] = x
+        return out
+
+    n_tokens = int(lengths.sum())
+    for norm, loss_type in LOSS_TYPES.items():
+        for beta in (0.0, 0.05):
+            model.zero_grad()
+            inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                          completion_mask=completion_mask, advantages=adv, old_per_token_logps=old,
+                          ref_per_token_logps=ref, num_items_in_batch=torch.tensor(float(n_tokens)))
+            theirs = _trl_loss(model, inputs, loss_type, beta, eps, temp, max_new)
+            theirs.backward()
+            want = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            scale = token_scale(lengths, n_tokens, norm, max_new).float()
+            loss, stats = PolicyLoss(eps[0], eps[1], beta, temp)(
+                logits, labels, spread(adv[:, None].expand(-1, max_new)), spread(scale[:, None].expand(-1, max_new)),
+                spread(old), spread(ref))
+            (loss / n_tokens).backward()
+            assert abs(loss.item() / n_tokens - theirs.item()) <= 1e-5, (norm, beta, loss.item() / n_tokens, theirs)
+            worst = max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want))
+            assert worst <= 1e-5, (norm, beta, worst)
+            assert stats[1] > 0 and stats[3] == n_tokens  # clipping happened; every completion token counted
+
+
+def test_kl_zero_when_policy_is_reference():
+    """At step 1 the policy is its reference: the k3 KL is exactly 0 and so is its gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 16, requires_grad=True)
+    labels = torch.tensor([[3, 4, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 1, 2, 3]])
+    from titanlite.loss import token_logprobs
+    ref = token_logprobs(logits.detach(), labels)
+    zeros = torch.zeros(labels.shape)
+    loss, stats = PolicyLoss(0.2, 0.2, 0.1, 1.0)(logits, labels, zeros, torch.ones(labels.shape), None, ref)
+    loss.backward()
+    assert stats[0] == 0 and loss == 0 and (logits.grad == 0).all()
