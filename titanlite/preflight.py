@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from titanlite import rl
 from titanlite.checkpoint.dcp import check_saved_model, complete_steps, model_shapes, resume_step
 from titanlite.checkpoint.folder import INFO, read_info, read_metadata
 from titanlite.checkpoint.lora import setup_lora
@@ -65,6 +66,8 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     t = cfg.training
     preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
                    t.local_batch_size, plan.dims.dp)
+    if cfg.rl.enable:
+        rl.check(cfg, plan.dims, plan.global_batch_size, plan.schedule.warms_up, plan.tokenizer)
     if cfg.fault_tolerance.enable:
         check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
     return plan

@@ -67,13 +67,16 @@ class PlainStep:
     def __post_init__(self) -> None:
         self.extra.bind([self.model])
 
-    def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The model's logits on a micro-batch (vocab-sharded DTensor under loss parallel)."""
         ids = batch["input_ids"]
         ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
                                 device=ids.device)
         with self.autocast:
-            logits = self.model(batch["input_ids"], ctx)
-        return self.loss_fn(logits, batch["labels"], extra)
+            return self.model(batch["input_ids"], ctx)
+
+    def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
+        return self.loss_fn(self.logits(batch), batch["labels"], extra)
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)

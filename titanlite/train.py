@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite import rl
 from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
@@ -373,7 +374,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
     train_step = build_step(cfg, plan, parts, meshes, opts, device,
                             guard.faulty_loss(build_loss_fn(cfg.compile, opts.loss_parallel, t.z_loss)), ft)
-    hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
+    train_step, rollouts = (rl.build(cfg, plan.tokenizer, train_step, meshes, plan.global_batch_size, device, lambda n:
+                                     logged(n, cfg.metrics.log_freq, t.steps)) if cfg.rl.enable else (train_step, None))
+    hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes),
+             *([rollouts.hook] if rollouts else [])]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
              restarted and restarted.line(start_step, ft is not None, rerun))
@@ -400,7 +404,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         guard.start_step(step)
         profiler.step_begin(step)
         lr = optimizers.lr
-        batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
+        batches = (rollouts(step) if rollouts else ft.batches(step) if ft else
+                   [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)])
         if rerun is not None and rerun.moved and step == rerun.step:
             batches = batches_of(loader, step, (dp_rank + 1) % dims.dp)
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.config.data import Data, Validation
+from titanlite.config.rl import LOSS_NORMS, RL
 
 @dataclass(frozen=True)
 class Job:
@@ -439,6 +440,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     moe: MoE = field(default_factory=MoE)
     lora: LoRA = field(default_factory=LoRA)
+    rl: RL = field(default_factory=RL)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -470,6 +472,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.format": ("text", "chat"),
     "data.train_on": ("assistant", "all", "last"),
     "data.overlong": ("truncate", "drop"),
+    "rl.loss_norm": LOSS_NORMS,
 }
 """The allowed values of every key that takes one of a fixed set (each element, for a list):
 declared here once; titanlite.config.load checks them, and the code that dispatches on a key
