@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -85,7 +86,7 @@ def test_loss_equals_trl_for_each_norm():
             want = [p.grad.clone() for p in model.parameters()]
             model.zero_grad()
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-            scale = token_scale(lengths, n_tokens, norm, max_new).float()
+            scale = token_scale(lengths, n_tokens, batch, norm, max_new).float()
             loss, stats = PolicyLoss(eps[0], eps[1], beta, temp)(
                 logits, labels, spread(adv[:, None].expand(-1, max_new)), spread(scale[:, None].expand(-1, max_new)),
                 spread(old), spread(ref))
@@ -107,3 +108,64 @@ def test_kl_zero_when_policy_is_reference():
     loss, stats = PolicyLoss(0.2, 0.2, 0.1, 1.0)(logits, labels, zeros, torch.ones(labels.shape), None, ref)
     loss.backward()
     assert stats[0] == 0 and loss == 0 and (logits.grad == 0).all()
+
+
+RL = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.steps", "6", "--metrics.log_freq", "1",
+      "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard", "false", "--data.holdout_fraction", "0.0",
+      "--rl.enable", "true", "--rl.group_size", "4", "--rl.max_new_tokens", "8", "--rl.reward", "__main__:varied",
+      "--training.global_batch_size", "8", "--lora.rank", "4", "--lora.target_modules", "wq,wv,w2",
+      "--rl.kl_coef", "0.05", "--rl.updates_per_batch", "2", "--rl.clip_eps_high", "0.28",
+      "--rl.loss_norm", "sequence", "--optimizer.lr", "3e-2"]
+
+
+def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
+    return abs(a - b) <= rtol * abs(a) + atol
+
+
+def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
+    """One gloo launch of tests/rl_layouts.py: GRPO with LoRA (KL to the adapters-off reference,
+    2 updates per batch of rollouts, DAPO's clip-higher) on FSDP 2 (saving every 2 steps), FSDP 2
+    resumed from step 4 and TP 2, against one process: the rewards exactly, the losses, KL and
+    gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0: policy = reference); the resumed
+    run regenerates the straight run's completions and logs its losses bitwise."""
+    from harness import REPO, spawn_ranks
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    runs = {"fsdp2": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
+            "resumed": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
+                        "--checkpoint.load_step", "4"],
+            "tp2": [*RL, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.sequence_parallel", "false"]}
+    dumps = {name: tmp_path / ("fsdp2" if name == "resumed" else name) for name in runs}
+    script = str(REPO / "tests" / "rl_layouts.py")
+
+    def launch(nproc: int, named: dict[str, list[str]]) -> str:
+        argv = " + ".join(" ".join([*a, "--job.dump_folder", str(dumps[n])]) for n, a in named.items())
+        codes, out = spawn_ranks(nproc, [script, *argv.split()], timeout=900)
+        assert all(c in (0, -6) for c in codes) and out.count("run ") >= nproc * len(named), (codes, out[-4000:])
+        return out
+
+    dumps["one"] = tmp_path / "one"
+    launch(1, {"one": [*RL, "--training.local_batch_size", "8"]})
+    launch(2, runs)
+
+    def rows(name: str, run: str | None = None) -> list[dict]:
+        got = [json.loads(x) for x in (dumps[name] / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in got if "loss" in r and (run is None or r["run"] == run)]
+
+    ref = rows("one")
+    assert len(ref) == 6 and ref[0]["rl/kl"] == 0 and ref[-1]["rl/kl"] > 0 and ref[-1]["rl/clip_fraction"] > 0
+    assert len({r["rl/reward_mean"] for r in ref}) > 1 and all(r["rl/reward_std"] > 0 for r in ref)
+    for name, run in (("fsdp2", "straight"), ("tp2", None)):
+        got = rows(name, run)
+        assert [r["rl/reward_mean"] for r in got] == [r["rl/reward_mean"] for r in ref], name
+        assert [r["rl/reward_std"] for r in got] == [r["rl/reward_std"] for r in ref], name
+        for k, (a, b) in enumerate(zip(ref, got)):
+            tol = 1e-6 if k == 0 else 1e-4
+            for key in ("loss", "grad_norm", "rl/kl", "rl/entropy"):
+                assert _close(a[key], b[key], tol), (name, k + 1, key, a[key], b[key])
+    straight, resumed = rows("fsdp2", "straight"), rows("fsdp2", "resumed")
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [(r["loss"], r["rl/reward_mean"]) for r in resumed] == [(r["loss"], r["rl/reward_mean"]) for r in straight[4:]]
+    samples = [json.loads(x) for x in (dumps["fsdp2"] / "rollouts.jsonl").read_text().splitlines()]
+    fifth = [s for s in samples if s["step"] == 5]
+    assert len(fifth) == 8 and fifth[:4] == fifth[4:]  # written by the straight run, then by the resumed one

@@ -36,15 +36,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(equal, torch.zeros_like(adv), adv).view(-1)
 
 
-def token_scale(lengths: torch.Tensor, n_tokens: int, loss_norm: str, max_new_tokens: int) -> torch.Tensor:
-    """Each completion's per-token weight (the module doc) from its completion length; `n_tokens`:
-    the step's completion tokens over every rank, len(lengths) its completions."""
-    n = len(lengths)
+def token_scale(lengths: torch.Tensor, n_tokens: int, n: int, loss_norm: str, max_new_tokens: int) -> torch.Tensor:
+    """The per-token weight (the module doc) of each completion of `lengths` (its token counts);
+    `n_tokens` and `n`: the step's completion tokens and completions over every rank."""
     if loss_norm == "token":
-        return torch.ones(n)
+        return torch.ones(len(lengths))
     if loss_norm == "sequence":
         return n_tokens / (n * lengths.clamp(min=1).double())
-    return torch.full((n,), n_tokens / (n * max_new_tokens), dtype=torch.float64)
+    return torch.full((len(lengths),), n_tokens / (n * max_new_tokens), dtype=torch.float64)
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:

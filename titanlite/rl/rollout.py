@@ -143,7 +143,7 @@ class Rollouts:
                               "it must return an int or float")
         adv = group_advantages(rewards, g)[self.dp_rank * len(rows):(self.dp_rank + 1) * len(rows)]
         n_tokens = int(all_lengths.sum())
-        scale = token_scale(lengths, n_tokens, self.r.loss_norm, self.r.max_new_tokens)
+        scale = token_scale(lengths, n_tokens, n, self.r.loss_norm, self.r.max_new_tokens)
         self.metrics = {"rl/reward_mean": rewards.mean().item(), "rl/reward_std": rewards.std().item(),
                         "rl/completion_len": all_lengths.mean().item()}
         mine_rewards = rewards[self.dp_rank * len(rows):(self.dp_rank + 1) * len(rows)]
