@@ -5,7 +5,8 @@
 Each ARGS is a `python -m titanlite.train` command line (its own job.dump_folder), run by
 titanlite.train.train in this one process group; the test reads each run's metrics.jsonl and
 rollouts.jsonl. `varied` is the runs' reward (rl.reward = "__main__:varied"): a random model
-rarely earns a task's reward, and equal rewards give no gradient to compare.
+rarely earns a task's reward, and equal rewards give no gradient to compare. A run that fails with
+a ConfigError prints its line as titanlite.train does and the launch goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 import titanlite.train as trainer
 from titanlite.config import load as config_load
+from titanlite.errors import ConfigError
 from titanlite.parallel.mesh import init_process_group
 from titanlite.preflight import preflight
 
@@ -26,12 +28,19 @@ def varied(prompt: str, completion: str, row: dict) -> float:
     return float(sum(completion.encode()) % 5)
 
 
+def not_a_number(prompt: str, completion: str, row: dict) -> str:
+    return "1"
+
+
 def main(argv: list[str]) -> None:
     init_process_group(torch.device("cpu"), 120)
     trainer.init_process_group = lambda *args: None  # one process group for every run
     for i, args in enumerate(" ".join(argv).split(" + ")):
         cfg, _ = config_load.load(args.split())
-        trainer.train(cfg, preflight(cfg, dist.get_world_size()))
+        try:
+            trainer.train(cfg, preflight(cfg, dist.get_world_size()))
+        except ConfigError as e:  # what titanlite.train.main prints
+            print(f"titanlite: error: {e}", flush=True)
         print(f"rank {dist.get_rank()} run {i}: done", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -145,7 +146,12 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
         return out
 
     dumps["one"] = tmp_path / "one"
-    launch(1, {"one": [*RL, "--training.local_batch_size", "8"]})
+    dumps["bad"] = tmp_path / "bad"
+    out = launch(1, {"one": [*RL, "--training.local_batch_size", "8"],
+                     "bad": [*RL, "--training.local_batch_size", "8", "--rl.reward", "__main__:not_a_number"]})
+    assert re.findall(r"titanlite: error: .*", out) == [
+        "titanlite: error: rl.reward __main__:not_a_number returned a non-number (or not finite) for prompt 3237 "
+        "(sample 0) of step 1; it must return an int or float"], out[-3000:]
     launch(2, runs)
 
     def rows(name: str, run: str | None = None) -> list[dict]:
@@ -169,3 +175,35 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
     samples = [json.loads(x) for x in (dumps["fsdp2"] / "rollouts.jsonl").read_text().splitlines()]
     fifth = [s for s in samples if s["step"] == 5]
     assert len(fifth) == 8 and fifth[:4] == fifth[4:]  # written by the straight run, then by the resumed one
+
+
+BAD = {  # the arguments, and the start of the one line each gets before launch
+    "group_size": (["--rl.group_size", "1"], "rl.group_size must be >= 2"),
+    "kl_full": (["--rl.kl_coef", "0.1"], "rl.kl_coef 0.1 needs a reference model: train LoRA (lora.rank > 0"),
+    "not_importable": (["--rl.reward", "no_such_module:f"], "rl.reward: cannot import module 'no_such_module'"),
+    "no_function": (["--rl.reward", "titanlite.rl.rewards:nothing"], "rl.reward: module 'titanlite.rl.rewards' has no"),
+    "not_callable": (["--rl.reward", "titanlite.rl.rewards:_NUMBER"], "rl.reward: 'titanlite.rl.rewards:_NUMBER' is a"),
+    "prompt_too_long": (["--training.seq_len", "16", "--rl.max_new_tokens", "12"],
+                        "rl.prompts: built-in task row 1 has 7 tokens, more than training.seq_len - rl.max_new_tokens"),
+    "prompts_not_jsonl": (["--rl.prompts", "nowhere.txt"], "rl.prompts: 'nowhere.txt' is not a .jsonl file"),
+    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: rl.enable generates"),
+    "cp": (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree: rl.enable generates"),
+    "tp_sequence_parallel": (["--parallelism.tensor_parallel_degree", "2"], "parallelism.sequence_parallel: rl.enable"),
+    "groups_over_dp": (["--training.global_batch_size", "4", "--training.local_batch_size", "2"],
+                       "training.global_batch_size 4 must be rl.group_size 4 x a multiple of"),
+}
+
+
+def test_bad_rl_input_is_one_line_before_launch(tmp_path):
+    """Each bad [rl] input is refused by the config load or the preflight (which run_train.sh runs
+    before torchrun) with one line naming the key; the 2-rank cases are planned for 2 processes."""
+    from titanlite.config import load as config_load
+    from titanlite.errors import ConfigError
+    from titanlite.preflight import preflight
+    base = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--rl.enable", "true",
+            "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path)]
+    for name, (args, line) in BAD.items():
+        with pytest.raises(ConfigError) as e:
+            cfg, _ = config_load.load([*base, *args])
+            preflight(cfg, 1 if name in ("group_size", "kl_full") or "reward" in args[0] or "prompt" in name else 2)
+        assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
