@@ -207,3 +207,25 @@ def test_bad_rl_input_is_one_line_before_launch(tmp_path):
             cfg, _ = config_load.load([*base, *args])
             preflight(cfg, 1 if name in ("group_size", "kl_full") or "reward" in args[0] or "prompt" in name else 2)
         assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
+
+
+def test_a_rank_that_finished_feeds_on_without_changing_its_completions():
+    """Under FSDP each rank runs the decode steps of the slowest (`everyone`, at most
+    max_new_tokens): a rank whose rows all ended runs on, and its completions are those it
+    generated alone."""
+    import dataclasses
+    from titanlite.generate import generate
+    from titanlite.model_spec import get_model_spec
+    spec = get_model_spec("llama3")
+    model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=64))
+    model.init_weights(0)
+    prompts = [[5, 6, 7], [5, 6, 7]]
+    first = generate(model, prompts, 6, temperature=1.0, seed=[3, 3])
+    eos = [first[0].ids[1]]  # both rows end after 2 tokens
+    alone = generate(model, prompts, 6, temperature=1.0, seed=[3, 3], eos_ids=eos)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    together = generate(model, prompts, 6, temperature=1.0, seed=[3, 3], eos_ids=eos,
+                        everyone=lambda running: len(calls) < 6)
+    assert [g.ids for g in together] == [g.ids for g in alone] and len(alone[0].ids) == 2
+    assert [g.finish for g in together] == [g.finish for g in alone] == ["eos", "eos"] and len(calls) == 6
