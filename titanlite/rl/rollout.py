@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class Rollouts:
             start = time.perf_counter()
             self.micro, self.batch = self._roll(batch), batch
             self.metrics["rl/rollout_seconds"] = time.perf_counter() - start
+        else:  # the batch's rewards are still the ones trained on; no rollout this step
+            self.metrics["rl/rollout_seconds"] = 0.0
         self.updated_at, self.at = time.perf_counter(), step
         return self.micro
 
@@ -117,7 +120,7 @@ class Rollouts:
         scores = []
         for i, _, text in rows:
             value = self.reward(self.prompts.texts[i], text, self.prompts.rows[i])
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = isinstance(value, numbers.Real) and math.isfinite(value)  # bools and numpy's numbers count
             scores.append(float(value) if ok else math.nan)
         return torch.tensor(scores, dtype=torch.float32)
 
