@@ -229,3 +229,24 @@ def test_a_rank_that_finished_feeds_on_without_changing_its_completions():
                         everyone=lambda running: len(calls) < 6)
     assert [g.ids for g in together] == [g.ids for g in alone] and len(alone[0].ids) == 2
     assert [g.finish for g in together] == [g.finish for g in alone] == ["eos", "eos"] and len(calls) == 6
+
+
+def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
+    """A "prompt" row and a "messages" row render through the chat template with the generation
+    prompt; a completion stops at the template's end of turn; a chat ending in an assistant turn
+    is refused in one line."""
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.errors import ConfigError
+    from titanlite.rl.prompts import load_prompts, stop_ids
+    tok = build_tokenizer("byte_chat")
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 ="}], '
+                    '"answer": "4"}\n{"prompt": "3 + 3 =", "answer": "6"}\n')
+    p = load_prompts(str(good), tok, 0, 100)
+    assert p.texts == ["2 + 2 =", "3 + 3 ="] and [r["answer"] for r in p.rows] == ["4", "6"]
+    assert tok.decode(p.ids[1]) == "<s><|im_start|>user\n3 + 3 =<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.hf.convert_ids_to_tokens(stop_ids(tok)) == ["</s>", "<|im_end|>"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assistant"):
+        load_prompts(str(bad), tok, 0, 100)

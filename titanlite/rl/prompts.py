@@ -53,7 +53,7 @@ def _chat(row: dict, where: str) -> list[dict]:
         return [{"role": "user", "content": str(row["prompt"])}]
     chat = check_messages(row["messages"], where, "messages")
     if chat[-1]["role"] != "user":
-        raise ConfigError(f"rl.prompts: {where}: the chat ends in a {chat[-1]['role']} turn; a prompt ends in a "
+        raise ConfigError(f"rl.prompts: {where}: the chat's last message has role {chat[-1]['role']}; a prompt ends in a "
                           "user turn, which the completions answer")
     return chat
 
