@@ -171,7 +171,8 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
                 assert _close(a[key], b[key], tol), (name, k + 1, key, a[key], b[key])
     straight, resumed = rows("fsdp2", "straight"), rows("fsdp2", "resumed")
     assert [r["step"] for r in resumed] == [5, 6]
-    assert [(r["loss"], r["rl/reward_mean"]) for r in resumed] == [(r["loss"], r["rl/reward_mean"]) for r in straight[4:]]
+    pairs = [(r["loss"], r["rl/reward_mean"]) for r in resumed]
+    assert pairs == [(r["loss"], r["rl/reward_mean"]) for r in straight[4:]]
     samples = [json.loads(x) for x in (dumps["fsdp2"] / "rollouts.jsonl").read_text().splitlines()]
     fifth = [s for s in samples if s["step"] == 5]
     assert len(fifth) == 8 and fifth[:4] == fifth[4:]  # written by the straight run, then by the resumed one
@@ -186,7 +187,7 @@ BAD = {  # the arguments, and the start of the one line each gets before launch
     "prompt_too_long": (["--training.seq_len", "16", "--rl.max_new_tokens", "12"],
                         "rl.prompts: built-in task row 1 has 7 tokens, more than training.seq_len - rl.max_new_tokens"),
     "prompts_not_jsonl": (["--rl.prompts", "nowhere.txt"], "rl.prompts: 'nowhere.txt' is not a .jsonl file"),
-    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: rl.enable generates"),
+    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: rl.enable"),
     "cp": (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree: rl.enable generates"),
     "tp_sequence_parallel": (["--parallelism.tensor_parallel_degree", "2"], "parallelism.sequence_parallel: rl.enable"),
     "groups_over_dp": (["--training.global_batch_size", "4", "--training.local_batch_size", "2"],
@@ -240,13 +241,13 @@ def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     from titanlite.rl.prompts import load_prompts, stop_ids
     tok = build_tokenizer("byte_chat")
     good = tmp_path / "p.jsonl"
-    good.write_text('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 ="}], '
-                    '"answer": "4"}\n{"prompt": "3 + 3 =", "answer": "6"}\n')
+    good.write_text('{"messages": [{"role": "system", "content": "Be brief."}, '
+                    '{"role": "user", "content": "2 + 2 ="}], "answer": "4"}\n{"prompt": "3 + 3 =", "answer": "6"}\n')
     p = load_prompts(str(good), tok, 0, 100)
     assert p.texts == ["2 + 2 =", "3 + 3 ="] and [r["answer"] for r in p.rows] == ["4", "6"]
     assert tok.decode(p.ids[1]) == "<s><|im_start|>user\n3 + 3 =<|im_end|>\n<|im_start|>assistant\n"
     assert tok.hf.convert_ids_to_tokens(stop_ids(tok)) == ["</s>", "<|im_end|>"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-    with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assistant"):
+    with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assis"):
         load_prompts(str(bad), tok, 0, 100)

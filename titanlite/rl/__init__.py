@@ -27,8 +27,9 @@ def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
         raise ConfigError(f"parallelism.{key}: rl.enable generates on the training layout, which pipeline and "
                           "context parallel do not run token by token; set it to 1 (FSDP, HSDP and TP generate)")
     if dims.tp > 1 and cfg.parallelism.sequence_parallel:
-        raise ConfigError("parallelism.sequence_parallel: rl.enable generates one token at a time on the tensor-parallel "
-                          "ranks, which cannot split it over the sequence; set parallelism.sequence_parallel = false")
+        raise ConfigError("parallelism.sequence_parallel: rl.enable generates one token at a time on the "
+                          "tensor-parallel ranks, which cannot split it over the sequence; set "
+                          "parallelism.sequence_parallel = false")
     if cfg.fault_tolerance.enable or t.on_spike == "rollback" or warms_up:
         raise ConfigError("rl.enable: replica groups, training.on_spike = rollback and a batch-size warm-up change "
                           "which rollouts a step takes; turn them off for a GRPO run")

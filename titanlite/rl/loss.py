@@ -81,7 +81,8 @@ class PolicyLoss:
             term = term + self.kl_coef * kl
         loss = (term * scale * mask).sum()
         with torch.no_grad():
-            cut = ((ratio < 1 - self.clip_eps) & (advantages < 0)) | ((ratio > 1 + self.clip_eps_high) & (advantages > 0))
+            cut = (((ratio < 1 - self.clip_eps) & (advantages < 0))
+                   | ((ratio > 1 + self.clip_eps_high) & (advantages > 0)))
             ent = _entropy(logits / self.temperature)
             stats = torch.stack([(kl * mask).sum(), (cut & mask).sum().float(), (ent * mask).sum(),
                                  mask.sum().float()])

@@ -51,10 +51,13 @@ def _read_rows(path: str) -> list[dict]:
 def _chat(row: dict, where: str) -> list[dict]:
     if "messages" not in row:
         return [{"role": "user", "content": str(row["prompt"])}]
-    chat = check_messages(row["messages"], where, "messages")
+    try:
+        chat = check_messages(row["messages"], where, "messages")
+    except ConfigError as e:  # the data set's checks, named by this key
+        raise ConfigError(f"rl.prompts{str(e).removeprefix('data.path')}") from None
     if chat[-1]["role"] != "user":
-        raise ConfigError(f"rl.prompts: {where}: the chat's last message has role {chat[-1]['role']}; a prompt ends in a "
-                          "user turn, which the completions answer")
+        raise ConfigError(f"rl.prompts: {where}: the chat's last message has role {chat[-1]['role']}; a prompt "
+                          "ends in a user turn, which the completions answer")
     return chat
 
 
