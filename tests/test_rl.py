@@ -150,7 +150,7 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
     out = launch(1, {"one": [*RL, "--training.local_batch_size", "8"],
                      "bad": [*RL, "--training.local_batch_size", "8", "--rl.reward", "__main__:not_a_number"]})
     assert re.findall(r"titanlite: error: .*", out) == [
-        "titanlite: error: rl.reward __main__:not_a_number returned a non-number (or not finite) for prompt 3237 "
+        "titanlite: error: rl.reward __main__:not_a_number returned a non-number (or not finite) for prompt 2732 "
         "(sample 0) of step 1; it must return an int or float"], out[-3000:]
     launch(2, runs)
 
