@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import titanlite.train as trainer
+from titanlite import rl
 from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
 from titanlite.parallel.mesh import init_process_group
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> None:
     for i, args in enumerate(" ".join(argv).split(" + ")):
         cfg, _ = config_load.load(args.split())
         try:
-            trainer.train(cfg, preflight(cfg, dist.get_world_size()))
+            trainer.train(cfg, rl.checked(cfg, preflight(cfg, dist.get_world_size())))
         except ConfigError as e:  # what titanlite.train.main prints
             print(f"titanlite: error: {e}", flush=True)
         print(f"rank {dist.get_rank()} run {i}: done", flush=True)

@@ -200,13 +200,14 @@ def test_bad_rl_input_is_one_line_before_launch(tmp_path):
     before torchrun) with one line naming the key; the 2-rank cases are planned for 2 processes."""
     from titanlite.config import load as config_load
     from titanlite.errors import ConfigError
+    from titanlite import rl
     from titanlite.preflight import preflight
     base = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--rl.enable", "true",
             "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path)]
     for name, (args, line) in BAD.items():
         with pytest.raises(ConfigError) as e:
             cfg, _ = config_load.load([*base, *args])
-            preflight(cfg, 1 if name in ("group_size", "kl_full") or "reward" in args[0] or "prompt" in name else 2)
+            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "kl_full") or "reward" in args[0] or "prompt" in name else 2))
         assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
 
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite import rl
 from titanlite.checkpoint.dcp import check_saved_model, complete_steps, model_shapes, resume_step
 from titanlite.checkpoint.folder import INFO, read_info, read_metadata
 from titanlite.checkpoint.lora import setup_lora
@@ -62,8 +61,6 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """All checks that need no process group, so bad input fails fast on every rank: the plan,
     then the data (its sources, and enough of it for a batch and for validation)."""
     plan = make_plan(cfg, world_size)
-    if cfg.rl.enable:
-        rl.check(cfg, plan.dims, plan.global_batch_size, plan.schedule.warms_up, plan.tokenizer)
     probe_data(cfg.data, cfg.validation)
     t = cfg.training
     preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,

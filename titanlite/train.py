@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         if "--print-config" in flags:
             print(config_load.to_toml(cfg))
             return
-        plan = preflight(cfg, config_load.world_size())
+        plan = rl.checked(cfg, preflight(cfg, config_load.world_size()))
         if "--check" in flags:
             return
         line = train(cfg, plan)

@@ -10,6 +10,7 @@ import torch
 
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.preflight import Plan
 from titanlite.rl.loss import PolicyLoss
 from titanlite.rl.prompts import load_prompts, stop_ids
 from titanlite.rl.rewards import load_reward
@@ -38,6 +39,15 @@ def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
                           f"the data-parallel degree {dims.dp} (each rank generates whole groups)")
     load_reward(r.reward)
     load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
+
+
+def checked(cfg: JobConfig, plan: Plan) -> Plan:
+    """The preflight's plan, once a GRPO run's own checks (`check`) pass: run after
+    titanlite.preflight.preflight wherever it runs before launch (which cannot import this
+    package: generation sits above it)."""
+    if cfg.rl.enable:
+        check(cfg, plan.dims, plan.global_batch_size, plan.schedule.warms_up, plan.tokenizer)
+    return plan
 
 
 def build(cfg: JobConfig, tokenizer, step: PlainStep, meshes, gbs: int, device: torch.device,
