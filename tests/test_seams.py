@@ -326,8 +326,8 @@ def test_titanlite_has_no_import_cycle_and_no_file_over_500_lines():
 # that need checkpoint, data or parallel live in titanlite.preflight); layers know nothing of
 # parallel (the static facts of a run reach them as objects: titanlite.layers.attention.AttnSetup).
 TIERS = [{"errors"}, {"config"}, {"loss", "data", "optim", "runtime", "metrics", "model_spec"}, {"layers"},
-         {"step"}, {"checkpoint", "parallel"}, {"preflight", "__init__", "loop", "saved_model"}, {"train", "generate"},
-         {"dryrun"}, {"plan"}]
+         {"step", "preference"}, {"checkpoint", "parallel"}, {"__init__", "saved_model"}, {"generate"}, {"eval"},
+         {"preflight", "loop"}, {"rl", "step_log"}, {"train"}, {"dryrun"}, {"plan"}]
 
 
 def test_titanlite_packages_import_only_the_tiers_below_them():

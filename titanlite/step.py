@@ -69,7 +69,8 @@ class PlainStep:
     def __post_init__(self) -> None:
         self.extra.bind([self.model])
 
-    def _logits(self, batch: Batch) -> torch.Tensor:
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The model's logits on a micro-batch (vocab-sharded DTensor under loss parallel)."""
         ids = batch["input_ids"]
         ctx = self.attn.context(batch.get("positions"), batch.get("document_ids"), seq_len=ids.shape[1],
                                 device=ids.device)
@@ -77,7 +78,7 @@ class PlainStep:
             return self.model(batch["input_ids"], ctx)
 
     def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
-        return self.loss_fn(self._logits(batch), batch["labels"], extra)
+        return self.loss_fn(self.logits(batch), batch["labels"], extra)
 
     def __call__(self, batches: list[Batch]) -> StepOutput:
         n_targets = count_targets(batches, self.target_group)
@@ -101,4 +102,4 @@ class PlainStep:
         """Each label's log-probability (titanlite.loss.token_logprobs) of a prepared batch, forward
         only: what in-loop evaluation (titanlite.eval.score) sums."""
         with loss_context(self.loss_parallel):
-            return token_logprobs(self._logits(batch), batch["labels"])
+            return token_logprobs(self.logits(batch), batch["labels"])

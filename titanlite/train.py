@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite import preference
+from titanlite import preference, rl
 from titanlite.checkpoint import lora
 from titanlite.checkpoint.dcp import CheckpointManager
 from titanlite.checkpoint.merge import ModelMerge
@@ -37,9 +36,8 @@ from titanlite.eval.score import Evaluator
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
 from titanlite.loss import LossFn, logged_terms
-from titanlite.loop import Referee, StepResult, Update, Verdict, one_step
-from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops, peak_memory_gib, \
-    reduce_losses
+from titanlite.loop import Update, one_step
+from titanlite.metrics import MetricsLogger, Throughput, default_run_name, device_peak_flops
 from titanlite.model_spec import in_model_code
 from titanlite.optim import build_optimizers, warmup_note
 from titanlite.layers.lora import DROPOUT_MASKS, LoRASetup
@@ -56,7 +54,8 @@ from titanlite.runtime.replicas import Replicas
 from titanlite.runtime.restart import Restart
 from titanlite.runtime.spikes import SpikeWindow, Stragglers
 from titanlite.runtime.verdict import Counts
-from titanlite.step import PlainStep, StepOutput
+from titanlite.step import PlainStep
+from titanlite.step_log import GuardReferee, StepLog, logged
 
 
 def parallelize_options(cfg: JobConfig, dims, dtype: torch.dtype, lora: LoRASetup | None = None) -> ParallelizeOptions:
@@ -115,78 +114,6 @@ class Prepare:
         # pinned host memory on GPU: the copies overlap with compute
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         return context.shard_batch(batch, self.cp_rank, self.cp) if self.cp > 1 else batch
-
-
-def logged(step: int, log_freq: int, steps: int) -> bool:
-    """Whether step `step`'s metrics are logged: the first, every log_freq-th and the last."""
-    return step == 1 or step % log_freq == 0 or step == steps
-
-
-@dataclass
-class StepLog:
-    """A step's row of metrics (console, metrics.jsonl, TensorBoard), on every rank (its losses
-    and the straggler report are collectives); its verdict is read first, so the counts are
-    this step's."""
-
-    metrics: MetricsLogger
-    throughput: Throughput
-    stragglers: Stragglers | None
-    guard: Guard
-    plan: Plan
-    device: torch.device
-    once: bool
-    """This rank counts the loss sum (tensor-parallel ranks hold the same)."""
-    epoch_of: Callable[[int], int] | None
-    """The epoch of a step's first sample."""
-    data: dict[str, int]
-    """What the data set counts (titanlite.data.packing.data_counts)."""
-    spikes: bool
-    """training.on_spike is on: the row counts spike_steps."""
-    terms: tuple[tuple[str, ...], tuple[str, ...]]
-    """The extra terms the row logs, and those tensor-parallel ranks hold alike (loss.logged_terms)."""
-
-    def __call__(self, step: int, result: StepResult, lr: float) -> None:
-        self.guard.phase("logging")
-        verdict, out = self.guard.verdict, result.out
-        verdict.flush()
-        losses = reduce_losses(out.loss_sum, out.extra_losses, out.n_targets, *self.terms, self.once)
-        speed, eta = self.throughput(step)
-        self.metrics.log(step, {"loss": losses.pop("loss"), "grad_norm": result.grad_norm.item(), "lr": lr, **speed,
-                                "peak_gib": peak_memory_gib(self.device), "skipped_steps": verdict.skipped,
-                                "epoch": self.epoch_of(step) if self.epoch_of else None, **self.data,
-                                **losses, **{k: float(v) for k, v in result.scalars.items()},
-                                **({"spike_steps": verdict.spikes} if self.spikes else {}),
-                                **({} if self.stragglers is None else self.stragglers.report(step, self.guard.own_s))},
-                         eta)
-
-
-@dataclass
-class GuardReferee(Referee):
-    """A training run's referee: the fault guard votes (stop, non-finite, with a spike window its
-    loss share) and decides; the host reads the verdict a step late unless it syncs anyway."""
-
-    guard: Guard
-    ckpt: CheckpointManager
-    fused: bool
-    """The optimizer skips a non-finite update on the device (implementation = fused)."""
-    once: bool
-    """This rank counts the loss sum for the spike window (tensor-parallel ranks hold the same)."""
-    log_freq: int
-    steps: int
-
-    def votes(self, out: StepOutput) -> torch.Tensor:
-        share = (None if self.guard.verdict.window is None else
-                 (out.loss_sum if self.once else torch.zeros_like(out.loss_sum)) / out.n_targets)
-        return self.guard.votes(out.loss_sum, share)
-
-    def verdict(self, grad_norm: torch.Tensor, votes: torch.Tensor) -> Verdict:
-        step, rerun = self.guard.step, self.guard.verdict.rerun
-        read_now = (logged(step, self.log_freq, self.steps) or self.ckpt.due(step) or not self.fused
-                    or (rerun is not None and rerun.step == step))
-        bad = self.guard.decide(grad_norm, votes, read_now=read_now)
-        self.ckpt.wait_for_staging()  # an async save still copying must see the weights before the update
-        # bad: the device's verdict, also where the host reads it a step late
-        return Verdict(bad, self.guard.verdict.skip, bad if self.fused else None)
 
 
 def roll_back(ckpt: CheckpointManager, guard: Guard, loader: StatefulDataLoader, rank: int, streak: list[int]) -> int:
@@ -376,9 +303,11 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     if cfg.fault_tolerance.rerun_on_nonfinite and not (cfg.compile.enable and "model" in cfg.compile.components):
         guard.watch({k: b for part in parts for k, b in plan.spec.blocks_of(part).items()}, plan.args.n_layers)
     loss_fn = preference.build_objective(cfg, opts.loss_parallel, meshes.cp.get_group() if dims.cp > 1 else None)
-    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.faulty_loss(loss_fn), ft,
-                            reference)
-    hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes)]
+    train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.faulty_loss(loss_fn), ft, reference)
+    train_step, rollouts = (rl.build(cfg, plan.tokenizer, train_step, meshes, plan.global_batch_size, device, lambda n:
+                                     logged(n, cfg.metrics.log_freq, t.steps)) if cfg.rl.enable else (train_step, None))
+    hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes),
+             *([rollouts.hook] if rollouts else [])]
     # after build_step, which may make the last process groups
     announce(cfg, plan, meshes, device, dtype, loader,
              restarted and restarted.line(start_step, ft is not None, rerun))
@@ -407,7 +336,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         guard.start_step(step)
         profiler.step_begin(step)
         lr = optimizers.lr
-        batches = ft.batches(step) if ft else [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)]
+        batches = (rollouts(step) if rollouts else ft.batches(step) if ft else
+                   [next(data_iter) for _ in range(plan.schedule.phase(step).micro_batches)])
         if rerun is not None and rerun.moved and step == rerun.step:
             batches = batches_of(loader, step, (dp_rank + 1) % dims.dp)
         result = one_step(train_step, [prepare(b) for b in batches], update, referee)
@@ -468,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         if "--print-config" in flags:
             print(config_load.to_toml(cfg))
             return
-        plan = preflight(cfg, config_load.world_size())
+        plan = rl.checked(cfg, preflight(cfg, config_load.world_size()))
         if "--check" in flags:
             return
         line = train(cfg, plan)

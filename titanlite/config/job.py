@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from titanlite.config.data import Data, Preference, Validation
 from titanlite.config.eval import Eval
+from titanlite.config.rl import LOSS_NORMS, RL
 
 @dataclass(frozen=True)
 class Job:
@@ -442,6 +443,7 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     preference: Preference = field(default_factory=Preference)
     eval: Eval = field(default_factory=Eval)
+    rl: RL = field(default_factory=RL)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -475,6 +477,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "preference.reference": ("lora", "model", "precomputed"),
     "data.train_on": ("assistant", "all", "last"),
     "data.overlong": ("truncate", "drop"),
+    "rl.loss_norm": LOSS_NORMS,
 }
 """The allowed values of every key that takes one of a fixed set (each element, for a list):
 declared here once; titanlite.config.load checks them, and the code that dispatches on a key

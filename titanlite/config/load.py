@@ -20,6 +20,7 @@ from pathlib import Path
 from titanlite.config.data import check_data, check_preference, parse_ranges
 from titanlite.config.eval import check_eval
 from titanlite.config.job import CHOICES, Checkpoint, JobConfig
+from titanlite.config.rl import check_rl
 from titanlite.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
@@ -291,6 +292,7 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
     _check_lora(cfg)
+    check_rl(cfg.rl, cfg.lora.rank, c.interval, cfg.validation.freq)
     _check_replicas(cfg)
     _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
     _check_rerun(cfg)

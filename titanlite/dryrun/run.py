@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from titanlite import rl
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.dryrun import hardware, timing
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         if opts["check_memory"] is not None:
             # run_train.sh's whole pre-launch check in one process: the trainer's own preflight
             # of the job as given, then the memory estimate
-            plan = preflight(cfg, int(opts["ngpu"]))
+            plan = rl.checked(cfg, preflight(cfg, int(opts["ngpu"])))
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]), plan.n_params)
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]

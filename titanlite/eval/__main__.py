@@ -29,11 +29,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def offline() -> None:
+    """HF_DATASETS_OFFLINE and HF_HUB_OFFLINE on, unless the environment says otherwise. datasets and
+    huggingface_hub read them once, at import: where a caller imported them before this (a notebook,
+    a test session), the values they read are set too, or a task with no local data would retry the
+    network for half a minute before failing."""
+    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    if os.environ["HF_HUB_OFFLINE"] == "1" and "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+    if os.environ["HF_DATASETS_OFFLINE"] == "1" and "datasets" in sys.modules:
+        import datasets.config
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
 def run(args: argparse.Namespace, manager: Any = None) -> dict:
     """lm-eval's results dict for the checkpoint; bad input raises ConfigError. `manager`: an
     lm-eval TaskManager to reuse (indexing lm-eval's own tasks takes seconds), else one is made."""
-    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        os.environ.setdefault(key, "1")
+    offline()
     if args.limit < 0 or args.batch_size < 1:
         raise ConfigError("--limit must be >= 0 and --batch_size >= 1")
     if args.include_path and not Path(args.include_path).is_dir():

@@ -114,12 +114,14 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | Sequence[int] = 0, eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
              decode: Callable[[list[int]], str] | None = None, pad_id: int = 0, keep_logits: bool = False,
-             context: int | None = None) -> list[Generation]:
+             context: int | None = None, everyone: Callable[[bool], bool] | None = None) -> list[Generation]:
     """Continue each prompt (token ids) by up to `max_new_tokens` tokens with `model`, any family's
     titanlite model called as model(tokens, AttnContext). `seed`: one seed (prompt i draws with
     (seed, i)) or one per prompt; `eos_ids` end a prompt's generation; `stop` strings end it once
     `decode` (ids -> text) shows one; `context`: the most tokens a prompt may reach (default the
-    model's). Returns one Generation per prompt, in order."""
+    model's); `everyone`: where ranks run the model together (FSDP gathers each layer), this rank's
+    "still running" in, whether any rank's is out, so that every rank runs the same forwards.
+    Returns one Generation per prompt, in order."""
     sampling = Sampling(temperature, top_k, top_p, min_p)
     context = context_length(model) if context is None else context
     if not prompts:
@@ -156,7 +158,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens:
     training = model.training
     model.eval()
     try:
-        while any(running):
+        while any(running) if everyone is None else everyone(any(running)):
             # a finished row runs on beside the others (rows are independent), within the RoPE tables
             positions = cache.positions(feed.shape[1]).clamp(max=context - 1)
             logits = model(feed, AttnContext(positions=positions, past=cache))[:, -1].float()

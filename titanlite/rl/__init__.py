@@ -1,0 +1,62 @@
+"""Reinforcement learning with verifiable rewards (GRPO, with DAPO's and Dr. GRPO's variants): a
+data source of rollouts (titanlite.rl.rollout) and a loss (titanlite.rl.loss) run by the plain
+step; train.py's loop is unchanged. docs/post_training.md."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from titanlite.config.job import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.preflight import Plan
+from titanlite.rl.loss import PolicyLoss
+from titanlite.rl.prompts import load_prompts, stop_ids
+from titanlite.rl.rewards import load_reward
+from titanlite.rl.rollout import Rollouts
+from titanlite.rl.step import RLStep
+from titanlite.step import PlainStep
+
+
+def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
+    """What a GRPO run needs of the layout, the batch, the reward and the prompts; one line each,
+    before launch."""
+    r, t = cfg.rl, cfg.training
+    if dims.pp > 1 or dims.cp > 1:
+        key = "pipeline_parallel_degree" if dims.pp > 1 else "context_parallel_degree"
+        raise ConfigError(f"parallelism.{key}: rl.enable generates on the training layout, which pipeline and "
+                          "context parallel do not run token by token; set it to 1 (FSDP, HSDP and TP generate)")
+    if dims.tp > 1 and cfg.parallelism.sequence_parallel:
+        raise ConfigError("parallelism.sequence_parallel: rl.enable generates one token at a time on the "
+                          "tensor-parallel ranks, which cannot split it over the sequence; set "
+                          "parallelism.sequence_parallel = false")
+    if cfg.fault_tolerance.enable or t.on_spike == "rollback" or warms_up:
+        raise ConfigError("rl.enable: replica groups, training.on_spike = rollback and a batch-size warm-up change "
+                          "which rollouts a step takes; turn them off for a GRPO run")
+    if gbs % r.group_size or (gbs // r.group_size) % dims.dp:
+        raise ConfigError(f"training.global_batch_size {gbs} must be rl.group_size {r.group_size} x a multiple of "
+                          f"the data-parallel degree {dims.dp} (each rank generates whole groups)")
+    load_reward(r.reward)
+    load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
+
+
+def checked(cfg: JobConfig, plan: Plan) -> Plan:
+    """The preflight's plan, once a GRPO run's own checks (`check`) pass: run after
+    titanlite.preflight.preflight wherever it runs before launch (which cannot import this
+    package: generation sits above it)."""
+    if cfg.rl.enable:
+        check(cfg, plan.dims, plan.global_batch_size, plan.schedule.warms_up, plan.tokenizer)
+    return plan
+
+
+def build(cfg: JobConfig, tokenizer, step: PlainStep, meshes, gbs: int, device: torch.device,
+          due: Callable[[int], bool]) -> tuple[RLStep, Rollouts]:
+    """The RL step (the plain step's loss swapped) and the rollouts that feed it."""
+    r, t = cfg.rl, cfg.training
+    rl_step = RLStep.of(step, PolicyLoss(r.clip_eps, r.clip_high, r.kl_coef, r.temperature))
+    prompts = load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
+    rollouts = Rollouts(r, prompts, tokenizer.decode, stop_ids(tokenizer), load_reward(r.reward), rl_step,
+                        t.seed, t.seq_len, gbs, t.local_batch_size, meshes.dp.get_local_rank(),
+                        meshes.dp.size(), meshes.dp.get_group(), device, cfg.job.dump_folder, due)
+    return rl_step, rollouts
