@@ -276,6 +276,9 @@ def check_config(cfg: JobConfig) -> None:
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     check_data(cfg.data, cfg.validation)
+    if cfg.rl.enable and cfg.data.format == "preference":
+        raise ConfigError("rl.enable: a GRPO run's data are its rollouts, not preference pairs; "
+                          "set data.format = \"text\" (or \"chat\") or rl.enable = false")
     check_preference(cfg.preference, cfg.data, cfg.lora.rank > 0, cfg.parallelism.pipeline_parallel_degree,
                      t.z_loss, bool(t.seq_warmup))
     check_eval(cfg.eval)
