@@ -4,12 +4,14 @@ past (windows and sinks, MLA's latent, Gated DeltaNet's state) is saved by FSDP 
 as a step folder, read back by `python -m titanlite.generate --tp`'s loader (load_model) split
 by the training plan over the group, and generates a ragged batch: the tokens of the whole model
 in one process, logits within 1e-5. The loader reads each rank's shards from the DCP files: the
-state dict it reads into holds, for every split weight, this rank's share and no more."""
+state dict it reads into holds, for every split weight, this rank's share and no more. Each
+rank's cache holds its share of the bytes of the formula the dry run reports (cache_bytes)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import titanlite.generate.load as load
 from titanlite.checkpoint.folder import commit
 from titanlite.checkpoint.state import ModelState
 from titanlite.generate import generate
+from titanlite.layers.cache import Cache, cache_bytes
 from titanlite.model_spec import get_model_spec
 
 MODELS = {"llama3": ("debugmodel_swa", {}), "deepseek_v3": ("debugmodel", {}),
@@ -60,6 +63,23 @@ def sharded_reads(seen: list[dict[str, torch.Tensor]]) -> Iterator[None]:
         dcp.load, load.read_dcp = real, saved_read
 
 
+@contextlib.contextmanager
+def recorded_caches(made: list[Cache]) -> Iterator[None]:
+    """Keep each generation cache made in `made`."""
+    module = importlib.import_module("titanlite.generate")
+
+    class Recorded(Cache):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    module.Cache = Recorded
+    try:
+        yield
+    finally:
+        module.Cache = Cache
+
+
 def local_share(state: dict[str, torch.Tensor], tp: int) -> tuple[bool, float]:
     """(every split weight's local shard is its whole size / tp, the rank's elements / the whole's)."""
     right, mine, total = True, 0, 0
@@ -92,13 +112,17 @@ def run(group: dist.ProcessGroup, root: Path) -> int:
         seen: list[dict[str, torch.Tensor]] = []
         with sharded_reads(seen):
             split_model, _, _ = load.load_model(root / family / "step-1", tp=tp, mesh=mesh)
-        split = generate(split_model, prompts, 32, keep_logits=True)
+        made: list[Cache] = []
+        with recorded_caches(made):
+            split = generate(split_model, prompts, 32, keep_logits=True)
+        # this rank's cache: its share of the formula's (cache_bytes, the dry run's figure)
+        cached = made[0].nbytes() == cache_bytes(args, len(prompts), 23 + 32, tp=tp)
         shards_only, share = local_share(seen[0], tp) if len(seen) == 1 else (False, 1.0)
         same = all(a.ids == b.ids for a, b in zip(whole, split))
         worst = max((a.logits - b.logits).abs().max().item() for a, b in zip(whole, split))
-        ok = same and worst <= 1e-5 and shards_only and share < 1
+        ok = same and worst <= 1e-5 and shards_only and share < 1 and cached
         bad += not ok
         print(f"rank {dist.get_rank()} generate tp {family} (FSDP-saved, read {share:.0%} of the weights): tokens "
-              f"equal {same}, worst logit diff {worst:.2e}{'' if ok else ' MISMATCH'}", flush=True)
+              f"equal {same}, worst logit diff {worst:.2e}, cache as its formula {cached}{'' if ok else ' MISMATCH'}", flush=True)
     return bad
 

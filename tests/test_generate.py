@@ -6,6 +6,7 @@ definitions keep; a seeded draw does not depend on the batch; EOS and stop strin
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 
 import pytest
@@ -15,6 +16,7 @@ import transformers
 import titanlite
 from titanlite.generate import Sampling, filter_logits, generate
 from titanlite.layers import init
+from titanlite.layers.cache import Cache, cache_bytes
 from titanlite.model_spec import get_model_spec
 
 NEW = 64
@@ -102,10 +104,22 @@ def _theirs(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Ten
     return out.sequences[:, longest:], torch.stack(out.logits, 1)
 
 
-def test_every_family_generates_transformers_tokens(tmp_path):
+class RecordedCache(Cache):
+    """The generation cache, each one kept in `made` (to read its bytes after a generation)."""
+
+    made: list[Cache] = []
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        RecordedCache.made.append(self)
+
+
+def test_every_family_generates_transformers_tokens(tmp_path, monkeypatch):
     """Greedy, 64 new tokens from prompts of 5, 23 and 12 tokens in one batch: the tokens equal
     transformers', every step's logits within 1e-4 (the issue's bound; logits reach 40) of
-    transformers' and of the prompt's alone (whose chunks of the delta rule round differently)."""
+    transformers' and of the prompt's alone (whose chunks of the delta rule round differently).
+    The batch's cache holds the bytes of its formula (cache_bytes: the dry run's figure)."""
+    monkeypatch.setattr(importlib.import_module("titanlite.generate"), "Cache", RecordedCache)
     table = {}
     cases = [*((n, lambda n=n: _native(n, tmp_path / n)) for n in NATIVE),
              *((f, lambda f=f: _transformers(f)) for f in TRANSFORMERS)]
@@ -113,6 +127,8 @@ def test_every_family_generates_transformers_tokens(tmp_path):
         ours, theirs = make()
         prompts = _prompts(512)  # every debug flavor's vocabulary
         got = generate(ours, prompts, NEW, keep_logits=True)
+        if name in NATIVE:  # every slot of the longest prompt and its new tokens, fp32
+            assert RecordedCache.made[-1].nbytes() == cache_bytes(ours.args, len(prompts), max(LENGTHS) + NEW), name
         tokens, logits = _theirs(theirs, prompts)
         assert logits.abs().max() > 1.0, name  # logits large enough that 1e-4 means something
         worst = 0.0
