@@ -262,3 +262,17 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
         line = str(exit_.value.code)
         assert line.startswith("titanlite: error: ") and "\n" not in line, line
         assert re.search(message, line), (message, line)
+    # a step folder's run's tokenizer (titanlite.json's data.tokenizer) is the default: an SFT run's chats
+    info = json.loads((tmp_path / "step-3" / "titanlite.json").read_text())
+    for recorded, message in [("byte_chat", None), (str(tmp_path / "gone"), "was trained with data.tokenizer")]:
+        (tmp_path / "step-3" / "titanlite.json").write_text(json.dumps({**info, "config": {"data.tokenizer": recorded}}))
+        argv = [str(tmp_path / "step-3"), "--chat", "--prompt", "Hi", "--max_new_tokens", "4", "--out",
+                str(tmp_path / "recorded.json")]
+        if message is None:
+            main(argv)
+            assert json.loads((tmp_path / "recorded.json").read_text()) == json.loads((tmp_path / "chat.json").read_text())
+            continue
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        line = str(exit_.value.code)
+        assert line.startswith("titanlite: error: ") and "\n" not in line and message in line, line

@@ -148,13 +148,21 @@ def shard(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
 
 
 def load_tokenizer(spec: str, path: Path, fmt: str) -> tuple[Tokenizer, str]:
-    """The tokenizer `spec` names ("byte", "byte_chat" or a folder); empty: the transformers folder's
-    own if it has one, else "byte". Returns it and its name."""
-    if not spec:
-        spec = str(path) if fmt == "hf" and (path / "tokenizer_config.json").is_file() else "byte"
+    """The tokenizer `spec` names ("byte", "byte_chat" or a folder); empty: a transformers folder's
+    own if it has one, a step folder's run's (the data.tokenizer its titanlite.json records), else
+    "byte". Returns it and its name."""
+    recorded = ""
+    if not spec and fmt == "hf":
+        spec = str(path) if (path / "tokenizer_config.json").is_file() else "byte"
+    elif not spec:
+        recorded = read_info(path).get("config", {}).get("data.tokenizer", "") if (path / INFO).is_file() else ""
+        spec = recorded or "byte"
     try:
         return build_tokenizer(spec), spec
     except ConfigError as e:
+        if recorded:
+            raise ConfigError(f"{path} was trained with data.tokenizer {recorded}, which does not load here ({str(e).removeprefix('data.tokenizer: ')}); "
+                              "give the tokenizer with --tokenizer") from None
         raise ConfigError(str(e).replace("data.tokenizer", "--tokenizer")) from None
 
 
