@@ -123,6 +123,7 @@ def run(group: dist.ProcessGroup, root: Path) -> int:
         ok = same and worst <= 1e-5 and shards_only and share < 1 and cached
         bad += not ok
         print(f"rank {dist.get_rank()} generate tp {family} (FSDP-saved, read {share:.0%} of the weights): tokens "
-              f"equal {same}, worst logit diff {worst:.2e}, cache as its formula {cached}{'' if ok else ' MISMATCH'}", flush=True)
+              f"equal {same}, worst logit diff {worst:.2e}, cache as its formula {cached}{'' if ok else ' MISMATCH'}",
+              flush=True)
     return bad
 

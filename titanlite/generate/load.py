@@ -161,7 +161,8 @@ def load_tokenizer(spec: str, path: Path, fmt: str) -> tuple[Tokenizer, str]:
         return build_tokenizer(spec), spec
     except ConfigError as e:
         if recorded:
-            raise ConfigError(f"{path} was trained with data.tokenizer {recorded}, which does not load here ({str(e).removeprefix('data.tokenizer: ')}); "
+            why = str(e).removeprefix("data.tokenizer: ")
+            raise ConfigError(f"{path} was trained with data.tokenizer {recorded}, which does not load here ({why}); "
                               "give the tokenizer with --tokenizer") from None
         raise ConfigError(str(e).replace("data.tokenizer", "--tokenizer")) from None
 
