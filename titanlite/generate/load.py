@@ -78,8 +78,8 @@ def load_model(path: str | Path, fmt: str = "dcp", name: str = "", device: str |
         mesh = init_device_mesh(torch.device(device).type, (tp,), mesh_dim_names=("tp",))
     if fmt == "dcp":
         check_lora_base(path)
-        args = dataclasses.replace(args, max_seq_len=args.context_len or args.max_seq_len)
     if fmt == "dcp" and tp > 1 and "lora" not in read_info(path).get("transform", {}):
+        args = dataclasses.replace(args, max_seq_len=args.context_len or args.max_seq_len)
         model = load_sharded(path, spec, args, mesh, device)
         return model.to(dtype=dtype).eval(), spec, args
     if fmt == "hf":
