@@ -1,12 +1,14 @@
 """Generation (titanlite.generate): every family's greedy tokens and logits equal transformers'
 generate on the same weights, from a left-padded batch of prompts of different lengths, and each
-prompt's are those it gets alone (no padding leaks); the sampling filters keep exactly what their
-definitions keep; a seeded draw does not depend on the batch; EOS and stop strings end a row."""
+prompt's are those it gets alone (no padding leaks); the cache holds its formula's bytes, which the
+dry run's --generate reports; the sampling filters keep exactly what their definitions keep; a
+seeded draw does not depend on the batch; EOS and stop strings end a row."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import re
 
 import pytest
@@ -143,6 +145,51 @@ def test_every_family_generates_transformers_tokens(tmp_path, monkeypatch):
     print("\nfamily x worst logit difference (tokens equal):", {k: f"{v:.1e}" for k, v in table.items()})
 
 
+def test_a_generation_job_s_memory_is_its_weights_cache_and_decode_step_by_hand(tmp_path, capsys):
+    """--generate BATCHxCONTEXT: Llama 3 8B at 32k tokens in bf16, whole and over 2 ranks, and
+    DeepSeek-V3 671B's MLA cache (kv_lora_rank 512 + rope 64 a token a layer, whole on every rank);
+    the formula is the one the cache's bytes are tested against (tests/test_generate.py)."""
+    from titanlite.config import load as config
+    from titanlite.dryrun import hardware
+    from titanlite.dryrun.generation import generation_memory
+    from titanlite.dryrun.run import main
+
+    out = tmp_path / "g.json"
+    main(["--config", "llama_8b.toml", "--generate", "1x32768", "--out", str(out)])
+    rep = json.loads(out.read_text())["bytes"]
+    # 8,030,261,248 parameters and the RoPE tables (2 x 131072 positions x 64) in bf16
+    assert rep["weights"] == 8_030_261_248 * 2 + 2 * 131072 * 64 * 2
+    assert rep["cache"] == 32 * 32768 * 2 * 8 * 128 * 2 == 4 * 2**30  # layers x tokens x (k, v) x kv heads x 128
+    # logits (bf16 and fp32) and the keys and values copied out to the 32 query heads
+    assert rep["decode"] == 128256 * (2 + 4) + 2 * 32769 * 32 * 128 * 2
+    assert rep["total"] == rep["weights"] + rep["cache"] + rep["decode"]
+    assert "cache         4.00 GiB" in capsys.readouterr().out
+    two = generation_memory(config.load(["--config", "llama_8b.toml"])[0], 2, "1x32768", hardware.get_gpu("h100"))
+    assert two["bytes"]["cache"] == rep["cache"] // 2  # 4 of the 8 kv heads a rank
+    # every matrix split in half; the norms (65 x 4096) and the RoPE tables whole
+    assert two["bytes"]["weights"] == (8_030_261_248 - 65 * 4096) + 65 * 4096 * 2 + 2 * 131072 * 64 * 2
+    ds = generation_memory(config.load(["--config", "deepseek_v3_671b.toml"])[0], 8, "1x32768", hardware.get_gpu("h200"))
+    assert ds["bytes"]["cache"] == 61 * 32768 * (512 + 64) * 2  # 2.14 GiB on every rank: the latent is not split
+    # logits, and the latent expanded to 128 / 8 heads: keys and values (128 + 128), keys with the RoPE
+    # key (128 + 64) and values padded to their width (128 + 64)
+    assert ds["bytes"]["decode"] == 129280 * 6 + 32768 * 16 * (256 + 2 * 192) * 2
+    assert not ds["fits"]  # every rank holds all 256 experts of each of 58 MoE layers (and the MTP depth's)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--generate", "1x"], "--generate 1x: expected BATCHxCONTEXT, positive integers"),
+    (["--generate", "1x200000"], "--generate 1x200000: llama3 debugmodel's context is"),
+    (["--generate", "1x64", "--ngpu", "3"], "divisible by --ngpu (the generator's --tp) 3"),
+])
+def test_the_dry_run_s_generation_bad_input_is_one_line(argv, expect, capsys):
+    from titanlite.dryrun.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "debug_model.toml", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("titanlite: error: ") and expect in err[0], err
+
+
 PROBS = torch.tensor([0.06, 0.4, 0.1, 0.25, 0.04, 0.15])
 """A hand-made distribution, not in order: ranks 1, 3, 5, 2, 0, 4."""
 
@@ -206,7 +253,6 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
     """A step folder and its transformers export generate the same tokens as the function; prompts
     from --prompt, JSON lines and stdin; --chat through byte_chat's template; bad input one line."""
     import io
-    import json
 
     from titanlite.checkpoint.folder import write_model_checkpoint
     from titanlite.data.tokenizer import byte_chat_tokenizer
