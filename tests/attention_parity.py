@@ -1,8 +1,9 @@
 """Every mask kind of the attention seam against a dense single-process reference, on random
 tensors: outputs (and input gradients where the backend has a backward) to 1e-5 in fp32.
 
-Run in one process by tests/test_attention.py, and as N gloo ranks (`CP TP` on the command line:
-context parallel over the sequence's head-tail chunks, tensor parallel over heads) by
+Run in one process by tests/test_attention.py, and as N gloo ranks (`CP TP FOLDER` on the command
+line: context parallel over the sequence's head-tail chunks, tensor parallel over heads, a folder
+for generate_tp's checkpoints) by
 tests/harness.spawn_ranks; every rank prints one line per case, "MISMATCH" on a failure.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -121,7 +123,7 @@ if __name__ == "__main__":
 
         rank = dist.get_rank()
         groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
-        failures += generate_tp(groups[rank // tp])
+        failures += generate_tp(groups[rank // tp], Path(sys.argv[3]))
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)

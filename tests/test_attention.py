@@ -22,11 +22,13 @@ def test_every_kind_matches_the_dense_reference_in_one_process(monkeypatch):
 
 
 @pytest.mark.parametrize("cp,tp", [(2, 2)])  # each rank a cp shard of its tp heads
-def test_every_kind_matches_the_dense_reference_under_cp_and_tp(cp, tp):
-    codes, output = spawn_ranks(cp * tp, [str(REPO / "tests" / "attention_parity.py"), str(cp), str(tp)], timeout=300)
+def test_every_kind_matches_the_dense_reference_under_cp_and_tp(cp, tp, tmp_path):
+    codes, output = spawn_ranks(cp * tp, [str(REPO / "tests" / "attention_parity.py"), str(cp), str(tp), str(tmp_path)],
+                                timeout=300)
     cases = sum(1 for _ in __import__("attention_parity").cases())
     assert output.count("worst abs diff") == cp * tp * cases and "MISMATCH" not in output, (codes, output[-4000:])
-    # and generation: tp-split models generate one process's tokens (tests/generate_tp.py)
+    # and generation: FSDP-saved models read shard by shard for tp generate one process's tokens
+    # (tests/generate_tp.py)
     assert output.count("generate tp") == cp * tp * len(__import__("generate_tp").MODELS), output[-4000:]
 
 

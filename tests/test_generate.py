@@ -1,11 +1,14 @@
 """Generation (titanlite.generate): every family's greedy tokens and logits equal transformers'
 generate on the same weights, from a left-padded batch of prompts of different lengths, and each
-prompt's are those it gets alone (no padding leaks); the sampling filters keep exactly what their
-definitions keep; a seeded draw does not depend on the batch; EOS and stop strings end a row."""
+prompt's are those it gets alone (no padding leaks); the cache holds its formula's bytes, which the
+dry run's --generate reports; the sampling filters keep exactly what their definitions keep; a
+seeded draw does not depend on the batch; EOS and stop strings end a row."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import re
 
 import pytest
@@ -15,6 +18,7 @@ import transformers
 import titanlite
 from titanlite.generate import Sampling, filter_logits, generate
 from titanlite.layers import init
+from titanlite.layers.cache import Cache, cache_bytes
 from titanlite.model_spec import get_model_spec
 
 NEW = 64
@@ -102,10 +106,22 @@ def _theirs(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Ten
     return out.sequences[:, longest:], torch.stack(out.logits, 1)
 
 
-def test_every_family_generates_transformers_tokens(tmp_path):
+class RecordedCache(Cache):
+    """The generation cache, each one kept in `made` (to read its bytes after a generation)."""
+
+    made: list[Cache] = []
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        RecordedCache.made.append(self)
+
+
+def test_every_family_generates_transformers_tokens(tmp_path, monkeypatch):
     """Greedy, 64 new tokens from prompts of 5, 23 and 12 tokens in one batch: the tokens equal
     transformers', every step's logits within 1e-4 (the issue's bound; logits reach 40) of
-    transformers' and of the prompt's alone (whose chunks of the delta rule round differently)."""
+    transformers' and of the prompt's alone (whose chunks of the delta rule round differently).
+    The batch's cache holds the bytes of its formula (cache_bytes: the dry run's figure)."""
+    monkeypatch.setattr(importlib.import_module("titanlite.generate"), "Cache", RecordedCache)
     table = {}
     cases = [*((n, lambda n=n: _native(n, tmp_path / n)) for n in NATIVE),
              *((f, lambda f=f: _transformers(f)) for f in TRANSFORMERS)]
@@ -113,6 +129,8 @@ def test_every_family_generates_transformers_tokens(tmp_path):
         ours, theirs = make()
         prompts = _prompts(512)  # every debug flavor's vocabulary
         got = generate(ours, prompts, NEW, keep_logits=True)
+        if name in NATIVE:  # every slot of the longest prompt and its new tokens, fp32
+            assert RecordedCache.made[-1].nbytes() == cache_bytes(ours.args, len(prompts), max(LENGTHS) + NEW), name
         tokens, logits = _theirs(theirs, prompts)
         assert logits.abs().max() > 1.0, name  # logits large enough that 1e-4 means something
         worst = 0.0
@@ -125,6 +143,51 @@ def test_every_family_generates_transformers_tokens(tmp_path):
         table[name] = worst
         assert worst <= 1e-4, (name, worst)
     print("\nfamily x worst logit difference (tokens equal):", {k: f"{v:.1e}" for k, v in table.items()})
+
+
+def test_a_generation_job_s_memory_is_its_weights_cache_and_decode_step_by_hand(tmp_path, capsys):
+    """--generate BATCHxCONTEXT: Llama 3 8B at 32k tokens in bf16, whole and over 2 ranks, and
+    DeepSeek-V3 671B's MLA cache (kv_lora_rank 512 + rope 64 a token a layer, whole on every rank);
+    the formula is the one the cache's bytes are tested against (tests/test_generate.py)."""
+    from titanlite.config import load as config
+    from titanlite.dryrun import hardware
+    from titanlite.dryrun.generation import generation_memory
+    from titanlite.dryrun.run import main
+
+    out = tmp_path / "g.json"
+    main(["--config", "llama_8b.toml", "--generate", "1x32768", "--out", str(out)])
+    rep = json.loads(out.read_text())["bytes"]
+    # 8,030,261,248 parameters and the RoPE tables (2 x 131072 positions x 64) in bf16
+    assert rep["weights"] == 8_030_261_248 * 2 + 2 * 131072 * 64 * 2
+    assert rep["cache"] == 32 * 32768 * 2 * 8 * 128 * 2 == 4 * 2**30  # layers x tokens x (k, v) x kv heads x 128
+    # logits (bf16 and fp32) and the keys and values copied out to the 32 query heads
+    assert rep["decode"] == 128256 * (2 + 4) + 2 * 32769 * 32 * 128 * 2
+    assert rep["total"] == rep["weights"] + rep["cache"] + rep["decode"]
+    assert "cache         4.00 GiB" in capsys.readouterr().out
+    two = generation_memory(config.load(["--config", "llama_8b.toml"])[0], 2, "1x32768", hardware.get_gpu("h100"))
+    assert two["bytes"]["cache"] == rep["cache"] // 2  # 4 of the 8 kv heads a rank
+    # every matrix split in half; the norms (65 x 4096) and the RoPE tables whole
+    assert two["bytes"]["weights"] == (8_030_261_248 - 65 * 4096) + 65 * 4096 * 2 + 2 * 131072 * 64 * 2
+    ds = generation_memory(config.load(["--config", "deepseek_v3_671b.toml"])[0], 8, "1x32768", hardware.get_gpu("h200"))
+    assert ds["bytes"]["cache"] == 61 * 32768 * (512 + 64) * 2  # 2.14 GiB on every rank: the latent is not split
+    # logits, and the latent expanded to 128 / 8 heads: keys and values (128 + 128), keys with the RoPE
+    # key (128 + 64) and values padded to their width (128 + 64)
+    assert ds["bytes"]["decode"] == 129280 * 6 + 32768 * 16 * (256 + 2 * 192) * 2
+    assert not ds["fits"]  # every rank holds all 256 experts of each of 58 MoE layers (and the MTP depth's)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--generate", "1x"], "--generate 1x: expected BATCHxCONTEXT, positive integers"),
+    (["--generate", "1x200000"], "--generate 1x200000: llama3 debugmodel's context is"),
+    (["--generate", "1x64", "--ngpu", "3"], "divisible by --ngpu (the generator's --tp) 3"),
+])
+def test_the_dry_run_s_generation_bad_input_is_one_line(argv, expect, capsys):
+    from titanlite.dryrun.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "debug_model.toml", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("titanlite: error: ") and expect in err[0], err
 
 
 PROBS = torch.tensor([0.06, 0.4, 0.1, 0.25, 0.04, 0.15])
@@ -190,7 +253,6 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
     """A step folder and its transformers export generate the same tokens as the function; prompts
     from --prompt, JSON lines and stdin; --chat through byte_chat's template; bad input one line."""
     import io
-    import json
 
     from titanlite.checkpoint.folder import write_model_checkpoint
     from titanlite.data.tokenizer import byte_chat_tokenizer
@@ -246,3 +308,17 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
         line = str(exit_.value.code)
         assert line.startswith("titanlite: error: ") and "\n" not in line, line
         assert re.search(message, line), (message, line)
+    # a step folder's run's tokenizer (titanlite.json's data.tokenizer) is the default: an SFT run's chats
+    info = json.loads((tmp_path / "step-3" / "titanlite.json").read_text())
+    for recorded, message in [("byte_chat", None), (str(tmp_path / "gone"), "was trained with data.tokenizer")]:
+        (tmp_path / "step-3" / "titanlite.json").write_text(json.dumps({**info, "config": {"data.tokenizer": recorded}}))
+        argv = [str(tmp_path / "step-3"), "--chat", "--prompt", "Hi", "--max_new_tokens", "4", "--out",
+                str(tmp_path / "recorded.json")]
+        if message is None:
+            main(argv)
+            assert json.loads((tmp_path / "recorded.json").read_text()) == json.loads((tmp_path / "chat.json").read_text())
+            continue
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        line = str(exit_.value.code)
+        assert line.startswith("titanlite: error: ") and "\n" not in line and message in line, line

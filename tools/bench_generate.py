@@ -12,8 +12,8 @@ out). Prefill is the run of one new token; decode is (the run of `--new` tokens 
 
 Memory: every kind of past on a tiny model of its family (GQA: llama3; sliding windows with sinks:
 gpt-oss; MLA: DeepSeek-V3; Gated DeltaNet with gated attention: Qwen3.5), the bytes the cache holds
-after a generation against `cache_bytes`, the formula; then the formula for published flavors at
-32k tokens.
+after a generation against the formula (titanlite.layers.cache.cache_bytes, which the dry run's
+--generate reports); then the formula for published flavors at 32k tokens.
 """
 
 from __future__ import annotations
@@ -28,28 +28,8 @@ import torch
 
 import titanlite
 from titanlite.generate import generate
-from titanlite.layers.cache import Cache
+from titanlite.layers.cache import Cache, cache_bytes
 from titanlite.model_spec import get_model_spec
-
-
-def cache_bytes(family: str, args: Any, batch: int, tokens: int, itemsize: int = 4) -> int:
-    """Bytes of every layer's past for `batch` rows of `tokens` tokens: per token and layer, GQA keeps
-    2 x kv_heads x head_dim, a sliding layer the same for at most `window` tokens, MLA kv_lora_rank
-    + qk_rope_head_dim; a Gated DeltaNet layer keeps a [v_heads, k_head_dim, v_head_dim] state and
-    conv_kernel - 1 inputs of its q, k and v channels, whatever the length (the state in float32,
-    the rest in the model's dtype, of `itemsize` bytes)."""
-    total = 0
-    for layer in range(args.n_layers):
-        if family == "deepseek_v3":
-            total += tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * itemsize
-        elif family == "qwen3_5" and args.layer_type(layer) == "linear_attention":
-            channels = 2 * args.linear_k_heads * args.linear_k_head_dim + args.linear_v_heads * args.linear_v_head_dim
-            total += (args.linear_v_heads * args.linear_k_head_dim * args.linear_v_head_dim * 4
-                      + (args.conv_kernel - 1) * channels * itemsize)
-        else:
-            window = args.window(layer)
-            total += min(tokens, window or tokens) * 2 * args.n_kv_heads * args.head_dim * itemsize
-    return total * batch
 
 
 def measured_cache(family: str, flavor: str, batch: int, prompt: int, new: int) -> tuple[int, Any]:
@@ -79,14 +59,14 @@ def memory_table(batch: int, prompt: int, new: int) -> None:
              "MLA (deepseek_v3)": ("deepseek_v3", "debugmodel"), "Gated DeltaNet + full (qwen3_5)": ("qwen3_5", "debugmodel")}
     for name, (family, flavor) in kinds.items():
         got, args = measured_cache(family, flavor, batch, prompt, new)
-        want = cache_bytes(family, args, batch, prompt + new - 1)
+        want = cache_bytes(args, batch, prompt + new - 1)
         print(f"| {name} | {batch} x {prompt + new - 1} | {got:,} | {want:,} | {got == want} |")
     print("\n| published flavor (bf16, one row of 32768 tokens) | cache GiB |")
     print("|---|---:|")
     for family, flavor in (("llama3", "8B"), ("llama3", "70B"), ("gpt_oss", "120B"), ("deepseek_v3", "671B"),
                            ("qwen3_5", "9B"), ("qwen3_5", "35B-A3B")):
         args = get_model_spec(family).flavors[flavor]
-        print(f"| {family} {flavor} | {cache_bytes(family, args, 1, 32768, 2) / 2**30:.2f} |")
+        print(f"| {family} {flavor} | {cache_bytes(args, 1, 32768, 2) / 2**30:.2f} |")
 
 
 def speed_table(flavor: str, batch: int, prompt: int, new: int, rounds: int) -> None:

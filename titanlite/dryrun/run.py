@@ -3,6 +3,8 @@
     python -m titanlite.dryrun --config X --ngpu N [--gpu h100] [--power-limit W] [--rank R] [--out FILE] [--full]
                                [--section.key value ...]
     python -m titanlite.dryrun --check-memory LOCAL_RANKS --ngpu N ...   (run_train.sh's pre-launch check)
+    python -m titanlite.dryrun --config X --ngpu N --generate BATCHxCONTEXT [--gpu h100] [--out FILE]
+        (a generation job's memory per rank instead: titanlite.dryrun.generation)
 
 One process plays rank R of an N-rank job on torch's fake process group (collectives do
 nothing) with fake tensors (shapes, no storage): the real config loading and preflight, the
@@ -39,6 +41,7 @@ from titanlite import rl
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.dryrun import hardware, timing
+from titanlite.dryrun.generation import generation_memory, print_generation
 from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
 from titanlite.dryrun.hardware import GIB
 from titanlite.dryrun.phases import phase_times
@@ -342,7 +345,8 @@ def split_flags(argv: list[str], opts: dict, switches: tuple[str, ...] = ()) -> 
 
 
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"ngpu": "1", "gpu": "h100", "power_limit": None, "rank": None, "out": None, "check_memory": None}
+    opts = {"ngpu": "1", "gpu": "h100", "power_limit": None, "rank": None, "out": None, "check_memory": None,
+            "generate": None}
     rest = split_flags(argv, opts, ("--full",))
     if opts["power_limit"] is not None:
         try:
@@ -375,6 +379,16 @@ def main(argv: list[str] | None = None) -> None:
             # of the job as given, then the memory estimate
             plan = rl.checked(cfg, preflight(cfg, int(opts["ngpu"])))
             check_memory(cfg, int(opts["ngpu"]), int(opts["check_memory"]), plan.n_params)
+            return
+        if opts["generate"] is not None:
+            rep = generation_memory(cfg, int(opts["ngpu"]), opts["generate"], gpu)
+            print_generation(rep)
+            if opts["out"]:
+                Path(opts["out"]).write_text(json.dumps(rep, indent=1))
+            if not rep["fits"]:
+                raise ConfigError(f"the generation job's {rep['bytes']['total'] / GIB:.1f} GiB per rank exceed the "
+                                  f"{gpu.name}'s {gpu.memory_gib:.1f} GiB; a larger --ngpu splits the heads and "
+                                  "feed-forward widths (not a MoE layer's experts), a smaller BATCHxCONTEXT the cache")
             return
         ranks = None if opts["rank"] is None else [int(opts["rank"])]
         result = dry_run(cfg, int(opts["ngpu"]), ranks, opts.get("full", False))

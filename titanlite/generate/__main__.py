@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="dcp", choices=("dcp", "hf"), help="dcp: a titanlite step folder; hf: transformers'")
     p.add_argument("--model", default="", help="family reading a transformers folder (default: by its model_type)")
     p.add_argument("--tokenizer", default="", help="byte, byte_chat or a folder (default: a transformers "
-                   "folder's own, else byte)")
+                   "folder's own, the one a step folder's run trained with, else byte)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", default="", help="a JSON-lines file of prompts")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user turn of a chat")

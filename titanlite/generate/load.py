@@ -16,10 +16,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 import titanlite
+from titanlite.checkpoint.dcp import load_initial
 from titanlite.checkpoint.folder import INFO, read_info, saved_args
 from titanlite.checkpoint.hf import read_config
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.errors import ConfigError
+from titanlite.layers import init
 from titanlite.model_spec import ModelSpec, get_model_spec
 from titanlite.parallel.tensor import apply_tp, between_layout, check_decoder_tp
 from titanlite.saved_model import read_dcp
@@ -60,18 +62,29 @@ def check_lora_base(path: Path) -> None:
 
 
 def load_model(path: str | Path, fmt: str = "dcp", name: str = "", device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, tp: int = 1) -> tuple[nn.Module, ModelSpec, Any]:
+               dtype: torch.dtype | None = None, tp: int = 1, mesh: DeviceMesh | None = None
+               ) -> tuple[nn.Module, ModelSpec, Any]:
     """(model in eval mode on `device`, its spec, its args) from a checkpoint folder: `fmt` "dcp"
     (a titanlite step folder) or "hf" (a transformers folder; `name` the family, default by its
     model_type). The RoPE tables cover the model's own context, not the one it was trained at.
-    `tp` > 1: split over that many ranks of the launched process group (`shard`)."""
+    `tp` > 1: split over that many ranks (`shard`), on `mesh` (default: one over the launched
+    process group); a step folder's weights are then read shard by shard (`load_sharded`)."""
     path = Path(path)
     spec, args = read_model_args(path, fmt, name)
     check_tp_degree(args, tp)
+    if tp > 1 and mesh is None:
+        if not dist.is_initialized() or dist.get_world_size() != tp:
+            raise ConfigError(f"--tp {tp} runs as {tp} ranks: launch it with torchrun --nproc_per_node {tp}")
+        mesh = init_device_mesh(torch.device(device).type, (tp,), mesh_dim_names=("tp",))
+    if fmt == "dcp":
+        check_lora_base(path)
+    if fmt == "dcp" and tp > 1 and "lora" not in read_info(path).get("transform", {}):
+        args = dataclasses.replace(args, max_seq_len=args.context_len or args.max_seq_len)
+        model = load_sharded(path, spec, args, mesh, device)
+        return model.to(dtype=dtype).eval(), spec, args
     if fmt == "hf":
         model, args = titanlite.load_hf(path, spec.name)
     else:
-        check_lora_base(path)
         spec, args, state, _ = read_dcp(path)
         args = dataclasses.replace(args, max_seq_len=args.context_len or args.max_seq_len)
         with torch.device("meta"):
@@ -81,10 +94,21 @@ def load_model(path: str | Path, fmt: str = "dcp", name: str = "", device: str |
         model.load_state_dict(state, strict=True)
     model = model.to(device=device, dtype=dtype).eval()
     if tp > 1:
-        if not dist.is_initialized() or dist.get_world_size() != tp:
-            raise ConfigError(f"--tp {tp} runs as {tp} ranks: launch it with torchrun --nproc_per_node {tp}")
-        shard(model, spec, init_device_mesh(torch.device(device).type, (tp,), mesh_dim_names=("tp",)))
+        shard(model, spec, mesh)
     return model, spec, args
+
+
+def load_sharded(path: Path, spec: ModelSpec, args: Any, mesh: DeviceMesh, device: str | torch.device) -> nn.Module:
+    """A step folder's model split over `mesh` without a whole copy on any rank: built on meta,
+    split by `shard`, allocated, and each rank's DTensor shards read straight from the DCP files
+    (the trainer's initial load, with its checks), whatever layout saved them (FSDP's included)."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    shard(model, spec, mesh)
+    init.to_empty(model, device)
+    model.init_buffers()  # RoPE tables and MoE counters; the buffers the checkpoint holds are read next
+    load_initial([model], path, "dcp", spec, args)
+    return model
 
 
 def read_model_args(path: Path, fmt: str, name: str = "") -> tuple[ModelSpec, Any]:
@@ -124,13 +148,22 @@ def shard(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
 
 
 def load_tokenizer(spec: str, path: Path, fmt: str) -> tuple[Tokenizer, str]:
-    """The tokenizer `spec` names ("byte", "byte_chat" or a folder); empty: the transformers folder's
-    own if it has one, else "byte". Returns it and its name."""
-    if not spec:
-        spec = str(path) if fmt == "hf" and (path / "tokenizer_config.json").is_file() else "byte"
+    """The tokenizer `spec` names ("byte", "byte_chat" or a folder); empty: a transformers folder's
+    own if it has one, a step folder's run's (the data.tokenizer its titanlite.json records), else
+    "byte". Returns it and its name."""
+    recorded = ""
+    if not spec and fmt == "hf":
+        spec = str(path) if (path / "tokenizer_config.json").is_file() else "byte"
+    elif not spec:
+        recorded = read_info(path).get("config", {}).get("data.tokenizer", "") if (path / INFO).is_file() else ""
+        spec = recorded or "byte"
     try:
         return build_tokenizer(spec), spec
     except ConfigError as e:
+        if recorded:
+            why = str(e).removeprefix("data.tokenizer: ")
+            raise ConfigError(f"{path} was trained with data.tokenizer {recorded}, which does not load here ({why}); "
+                              "give the tokenizer with --tokenizer") from None
         raise ConfigError(str(e).replace("data.tokenizer", "--tokenizer")) from None
 
 

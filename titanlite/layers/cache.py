@@ -16,6 +16,8 @@ convolution's last inputs. The model's forward reaches it through AttnContext.pa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -103,6 +105,29 @@ class Cache:
         """Bytes the cache holds: every layer's stored tensors and states."""
         tensors = [t for d in (*self._slots.values(), *self._states.values()) for t in d.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cache_bytes(args: Any, batch: int, tokens: int, itemsize: int = 4, tp: int = 1) -> int:
+    """What `Cache.nbytes` holds for `batch` rows of `tokens` slots (prompt and generated tokens,
+    pads included) of a model of `args` (a family's ModelArgs), on each of `tp` tensor-parallel
+    ranks: per token and layer, softmax attention keeps 2 x n_kv_heads / tp x head_dim values (a
+    sliding layer for at most `window` tokens); MLA (args with kv_lora_rank) kv_lora_rank +
+    qk_rope_head_dim, whole on every rank (its down projection is not split); a Gated DeltaNet layer
+    keeps a [v_heads / tp, k_head_dim, v_head_dim] state in float32 and the last conv_kernel - 1
+    inputs of its q, k and v channels (split as the heads), whatever the length. The rest is in the
+    model's dtype, of `itemsize` bytes."""
+    total = 0
+    for layer in range(args.n_layers):
+        if getattr(args, "kv_lora_rank", 0):
+            total += tokens * (args.kv_lora_rank + args.qk_rope_head_dim) * itemsize
+        elif hasattr(args, "layer_type") and args.layer_type(layer) == "linear_attention":
+            channels = 2 * args.linear_k_heads * args.linear_k_head_dim + args.linear_v_heads * args.linear_v_head_dim
+            total += (args.linear_v_heads * args.linear_k_head_dim * args.linear_v_head_dim * 4
+                      + (args.conv_kernel - 1) * channels * itemsize) // tp
+        else:
+            kept = min(tokens, args.window(layer) or tokens)
+            total += kept * 2 * args.n_kv_heads // tp * args.head_dim * itemsize
+    return total * batch
 
 
 def _empty(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
