@@ -277,6 +277,16 @@ def test_command_line_reads_every_source_and_refuses_bad_input_in_one_line(tmp_p
         main([*argv, *common, "--out", str(tmp_path / f"{name}.json")])
         rows[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert rows["dcp"] == rows["hf"] == rows["stdin"]
+    # the command under torchrun on 2 ranks (--tp 2: each rank reads its shards of the step folder)
+    # writes one process's greedy tokens; rank 0 writes the file once every rank has generated
+    from harness import spawn_ranks
+    greedy = [str(tmp_path / "step-3"), "--prompts", str(tmp_path / "p.jsonl"), "--max_new_tokens", "24"]
+    main([*greedy, "--out", str(tmp_path / "one.json")])
+    codes, output = spawn_ranks(2, ["-m", "titanlite.generate", *greedy, "--tp", "2", "--out", str(tmp_path / "tp.json")],
+                                timeout=300)
+    sigabrt_after_its_file = codes[1] == -6 and (tmp_path / "tp.json").exists()  # gloo's known teardown abort
+    assert codes[0] == 0 and (codes[1] == 0 or sigabrt_after_its_file), output[-3000:]
+    assert json.loads((tmp_path / "tp.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
     whole = spec.build(dataclasses.replace(args, max_seq_len=96))  # RoPE tables over the model's context
     whole.load_state_dict(model.state_dict())
     want = generate(whole.eval(), [[256, *b"Hello"], [256, *b"The quick brown fox"]], 100, 0.8, 40, seed=5,
