@@ -42,6 +42,7 @@ from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.dryrun import hardware, timing
 from titanlite.dryrun.generation import generation_memory, print_generation
+from titanlite.dryrun.grpo import grpo_times, print_grpo
 from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
 from titanlite.dryrun.hardware import GIB
 from titanlite.dryrun.phases import phase_times
@@ -395,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         rep = report(result, gpu)  # a warm-up's memory is its last phase's; each earlier one's step time:
         rep["phases"] = phase_times(cfg, result["_plan"], int(opts["ngpu"]),
                                     lambda job, n: report(dry_run(job, n), gpu))
+        if cfg.rl.enable:  # a GRPO step: the rollout, then the update traced above
+            rep["grpo"] = grpo_times(cfg, result["_plan"], gpu, rep["predicted"]["step_s"])
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -412,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
               f"in {path}{skip}", file=sys.stderr)
         sys.exit(1)
     print_table(rep)
+    if "grpo" in rep:
+        print_grpo(rep["grpo"])
     print(f"(dry run took {time.perf_counter() - start:.1f} s)")
     if opts["out"]:
         with open(opts["out"], "w") as f:
