@@ -1,4 +1,4 @@
-"""GRPO (titanlite.rl): the loss against TRL's, advantages, the KL at the start."""
+"""GRPO (titanlite.rl): the loss against TRL's, advantages, the KL at the start; the dry run's GRPO step time."""
 
 from __future__ import annotations
 
@@ -254,3 +254,39 @@ def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assis"):
         load_prompts(str(bad), tok, 0, 100)
+
+
+GRPO_8B = ["--config", "llama_8b.toml", "--ngpu", "8", "--rl.enable", "true", "--rl.group_size", "8",
+           "--rl.max_new_tokens", "1024", "--training.seq_len", "2048", "--training.global_batch_size", "64",
+           "--training.local_batch_size", "8", "--checkpoint.interval", "100"]
+
+
+def test_the_dry_run_times_a_grpo_step_as_rollout_plus_update(tmp_path, capsys):
+    """Llama 3 8B on 8 H100 (docs/scaling.md): 64 completions per step, 8 per prompt, prompts of
+    1024 tokens + 1024 new. On tp 8 (dp 1: 8 prompts per rank, float32 outside FSDP) each decode
+    step reads this rank's weights and its cache share at HBM speed: (weights + cache) / bandwidth,
+    summed over the steps by hand; on FSDP 8 (1 prompt per rank, bfloat16) every decode step
+    waits for the gather of the whole model over NVLink instead."""
+    from titanlite.dryrun.run import main
+    bandwidth = 3.35e12 * 0.87  # the h100's HBM at the step-time model's memory-bound share (timing.FITTED.hbm)
+    main([*GRPO_8B, "--parallelism.tensor_parallel_degree", "8", "--parallelism.sequence_parallel", "false",
+          "--out", str(tmp_path / "tp.json")])
+    rep = json.loads((tmp_path / "tp.json").read_text())
+    g = rep["grpo"]
+    assert g["prompts_per_rank"] == 8 and g["dtype"] == "float32"
+    assert abs(g["weights_bytes"] / (8_030_261_248 * 4 / 8) - 1) < 1e-3  # an eighth of 8.03e9 fp32 parameters
+    per_token = 32 * 2 * (8 // 8) * 128 * 4  # layers x (k, v) x this rank's kv heads x head dim x fp32
+    cache = sum(8 * (1024 + j) * per_token for j in range(1, 1025))  # 8 rows at 1025..2048 tokens
+    decode = 8 * (1024 * g["weights_bytes"] + cache) / bandwidth
+    assert g["decode_s"] == pytest.approx(decode, rel=1e-9) and g["decode_gather_s"] == 0
+    assert g["update_s"] == rep["predicted"]["step_s"]
+    assert g["step_s"] == pytest.approx(g["rollout_s"] + g["update_s"], rel=1e-12)
+    assert g["rollout_s"] == pytest.approx(g["prefill_s"] + g["decode_s"], rel=1e-12)
+    assert "GRPO, per rollout batch on each rank: 8 prompt(s) x 8 completions" in capsys.readouterr().out
+
+    main([*GRPO_8B, "--out", str(tmp_path / "fsdp.json")])
+    g = json.loads((tmp_path / "fsdp.json").read_text())["grpo"]
+    assert g["prompts_per_rank"] == 1 and g["dtype"] == "bfloat16"
+    gather = 7 / 8 * g["weights_bytes"] / (450e9 * 0.80) + 33 * 10e-6  # ring over NVLink, a call per layer + 1
+    assert g["decode_gather_s"] == pytest.approx(1024 * gather, rel=1e-9)
+    assert g["decode_s"] == pytest.approx(g["decode_gather_s"], rel=1e-12)  # the gathers bound every step

@@ -35,10 +35,11 @@ from titanlite.dryrun.hardware import GPU
 from titanlite.layers.cache import cache_bytes
 
 
-def grpo_times(cfg: JobConfig, plan: Any, gpu: GPU, update_s: float) -> dict[str, Any]:
-    """The rollout's and the update's seconds per rollout batch on `gpu` (the module doc)."""
+def grpo_times(cfg: JobConfig, plan: Any, gpu: GPU, update_s: float, param_dtype: str) -> dict[str, Any]:
+    """The rollout's and the update's seconds per rollout batch on `gpu` (the module doc), the
+    update step taking `update_s` and FSDP casting to `param_dtype` (the name the dry run resolved)."""
     r, t, dims, args = cfg.rl, cfg.training, plan.dims, plan.args
-    dtype = getattr(torch, t.mixed_precision_param) if dims.fsdp else torch.float32
+    dtype = getattr(torch, param_dtype) if dims.fsdp else torch.float32
     weights, _ = weights_per_rank(plan.spec, args, dims.tp, dtype)
     g, n, prompt = r.group_size, r.max_new_tokens, t.seq_len - r.max_new_tokens
     prompts = plan.global_batch_size // g // dims.dp
@@ -66,7 +67,7 @@ def grpo_times(cfg: JobConfig, plan: Any, gpu: GPU, update_s: float) -> dict[str
 def print_grpo(p: dict[str, Any]) -> None:
     print(f"GRPO, per rollout batch on each rank: {p['prompts_per_rank']} prompt(s) x {p['group_size']} completions, "
           f"prompts of {p['prompt_tokens']} tokens (seq_len - max_new_tokens: a bound) + {p['new_tokens']} new, "
-          f"generated in {p['dtype']} ({p['weights_bytes'] / 2**30:.2f} GiB of weights per rank)")
+          f"generated in {p['dtype']} ({p['weights_bytes'] / 2**30:.2f} GiB of weights read per decode step)")
     print(f"  rollout {p['rollout_s']:9.3f} s  (prefill {p['prefill_s']:.3f} s, decode {p['decode_s']:.3f} s: "
           f"weights + cache read {p['decode_read_s']:.3f} s, FSDP gathers {p['decode_gather_s']:.3f} s)")
     print(f"  update  {p['update_s']:9.3f} s  ({p['updates']} x the step above)")
