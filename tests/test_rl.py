@@ -290,3 +290,8 @@ def test_the_dry_run_times_a_grpo_step_as_rollout_plus_update(tmp_path, capsys):
     gather = 7 / 8 * g["weights_bytes"] / (450e9 * 0.80) + 33 * 10e-6  # ring over NVLink, a call per layer + 1
     assert g["decode_gather_s"] == pytest.approx(1024 * gather, rel=1e-9)
     assert g["decode_s"] == pytest.approx(g["decode_gather_s"], rel=1e-12)  # the gathers bound every step
+    # a GRPO job the trainer would refuse is refused by the dry run too, not predicted
+    with pytest.raises(SystemExit):
+        main([*GRPO_8B, "--training.global_batch_size", "72", "--training.local_batch_size", "9"])
+    assert capsys.readouterr().err == ("titanlite: error: training.global_batch_size 72 must be rl.group_size 8 x a "
+                                       "multiple of the data-parallel degree 8 (each rank generates whole groups)\n")

@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         rep["phases"] = phase_times(cfg, result["_plan"], int(opts["ngpu"]),
                                     lambda job, n: report(dry_run(job, n), gpu))
         if cfg.rl.enable:  # a GRPO step: the rollout, then the update traced above
+            plan = result["_plan"]
+            rl.check_layout(cfg, plan.dims, plan.global_batch_size, plan.schedule.warms_up)
             rep["grpo"] = grpo_times(cfg, result["_plan"], gpu, rep["predicted"]["step_s"],
                                      rep["config"]["param_dtype"])
     except ConfigError as e:

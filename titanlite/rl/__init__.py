@@ -22,6 +22,13 @@ from titanlite.step import PlainStep
 def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
     """What a GRPO run needs of the layout, the batch, the reward and the prompts; one line each,
     before launch."""
+    check_layout(cfg, dims, gbs, warms_up)
+    load_reward(cfg.rl.reward)
+    load_prompts(cfg.rl.prompts, tokenizer, cfg.data.seed, cfg.training.seq_len - cfg.rl.max_new_tokens)
+
+
+def check_layout(cfg: JobConfig, dims, gbs: int, warms_up: bool) -> None:
+    """What a GRPO run needs of the layout and the batch (the dry run's check: it reads no data)."""
     r, t = cfg.rl, cfg.training
     if dims.pp > 1 or dims.cp > 1:
         key = "pipeline_parallel_degree" if dims.pp > 1 else "context_parallel_degree"
@@ -37,8 +44,6 @@ def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
     if gbs % r.group_size or (gbs // r.group_size) % dims.dp:
         raise ConfigError(f"training.global_batch_size {gbs} must be rl.group_size {r.group_size} x a multiple of "
                           f"the data-parallel degree {dims.dp} (each rank generates whole groups)")
-    load_reward(r.reward)
-    load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
 
 
 def checked(cfg: JobConfig, plan: Plan) -> Plan:
