@@ -5,6 +5,7 @@ over data-parallel ranks, task files' bad rows, and `python -m titanlite.eval` a
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -224,3 +225,30 @@ def test_builtin_tasks_are_well_formed():
     assert Counter(r["gold"] for r in rows).most_common()[-1][1] > len(rows) // 5  # gold positions spread
     for r in tasks["stdlib_def"].rows:
         assert len({"".join(sorted(c)) for c in r["choices"]}) == 1 and len(set(r["choices"])) == 4
+
+
+def test_the_dry_run_reports_an_evaluation_s_peak(tmp_path, capsys):
+    """[eval] on: the dry run traces one forward-only evaluation batch (eval.batch_size x seq_len,
+    no_grad, after zero_grad) beside the step. On the debug model it holds less than the training
+    step's peak, and at least the weights, the optimizer state and the batch's float32 logits
+    (B x T x vocab 512 x 4 bytes), more with more rows. Llama 3 8B's default 8 x 8,192 rows on 8
+    H100s (whole logits, 15.7 GiB each in float32) is refused in one line."""
+    from titanlite.dryrun.run import main
+
+    def roles(batch: int) -> dict:
+        main(["--config", "debug_model.toml", "--eval.tasks", "stdlib_which", "--eval.batch_size", str(batch),
+              "--out", str(tmp_path / "r.json")])
+        return json.loads((tmp_path / "r.json").read_text())["roles"][0]
+
+    eight, sixteen = roles(8), roles(16)
+    gib = 2**30
+    resident = (eight["memory_gib"]["parameters"] + eight["memory_gib"]["optimizer"]) * gib
+    logits = 8 * 256 * 512 * 4
+    assert resident + logits <= eight["eval_peak_gib"] * gib < eight["memory_gib"]["peak"] * gib
+    assert (sixteen["eval_peak_gib"] - eight["eval_peak_gib"]) * gib >= logits
+    assert "evaluation ([eval], 8 x 256 tokens, forward only): peak" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--config", "llama_8b.toml", "--ngpu", "8", "--eval.tasks", "stdlib_which"])
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"titanlite: error: an evaluation's per-rank peak \d+\.\d GiB \(eval.batch_size 8 x "
+                        r"training.seq_len 8192\) exceeds the h100's 79.6 GiB; use a smaller eval.batch_size\n", err)

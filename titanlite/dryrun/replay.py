@@ -50,6 +50,9 @@ class Trace:
     """The ops of every block at the model's depth, as eager runs them and as compiled blocks
     run them (_fused)."""
     compiled_block_ops: list[tuple] = field(default_factory=list, repr=False)
+    eval_transient: int | None = None
+    """An in-loop evaluation's forward: the most it holds beyond what stays between steps
+    (titanlite.dryrun.evaltrace); None where the job has no [eval] tasks."""
 
 
 def result(t: StepTracer, params, grads, optim_state, units: list[UnitSpans] = (), blocks: list[tuple] = (),

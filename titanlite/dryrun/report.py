@@ -60,6 +60,9 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
+            # an evaluation runs between steps: the weights and optimizer state stay, the gradients are gone
+            "eval_peak_gib": None if role.eval_transient is None else (
+                role.peaks["optimizer"]["parameters"] + role.peaks["optimizer"]["optimizer"] + role.eval_transient) / GIB,
             "step_s": times[id(role)].step(*bubble),
             "step_terms_s": dataclasses.asdict(times[id(role)])})
     tps = tokens / step_s / world
@@ -73,7 +76,8 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                           "memory_limit_gib": gpu.memory_gib,
                           "tokens_per_sec_per_gpu_eager": tokens / steps[False] / world,
                           "tokens_per_sec_per_gpu_compiled": tokens / steps[True] / world,
-                          "fits": all(r["memory_gib"]["peak"] <= gpu.memory_gib for r in roles)}}
+                          "fits": all(max(r["memory_gib"]["peak"], r["eval_peak_gib"] or 0) <= gpu.memory_gib
+                                      for r in roles)}}
 
 
 def print_table(rep: dict) -> None:
@@ -103,6 +107,9 @@ def print_table(rep: dict) -> None:
         for name, v in role["collectives"].items():
             print(f"  {name:<34} {v['count']:>7} {v['gib']:>10.3f}")
         print(f"  FLOPs per step {role['flops_per_step']:.4g}")
+        if role["eval_peak_gib"] is not None:
+            print(f"  evaluation ([eval], {cfg['eval_batch_size']} x {cfg['seq_len']} tokens, forward only): peak "
+                  f"{role['eval_peak_gib']:.2f} GiB")
     print(f"predicted on {pred['gpu']} at {pred['power_w']:.0f} W: step {pred['step_s']:.3f} s, {pred['tokens_per_sec_per_gpu']:,.0f} "
           f"tokens/s/GPU, MFU {pred['mfu_pct']:.1f}%, peak memory "
           f"{max(r['memory_gib']['peak'] for r in rep['roles']):.1f} of {pred['memory_limit_gib']:.1f} GiB")

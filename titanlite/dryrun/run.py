@@ -41,6 +41,7 @@ from titanlite import rl
 from titanlite.config import load as config_load
 from titanlite.config.job import JobConfig
 from titanlite.dryrun import hardware, timing
+from titanlite.dryrun.evaltrace import eval_transient
 from titanlite.dryrun.generation import generation_memory, print_generation
 from titanlite.dryrun.grpo import grpo_times, print_grpo
 from titanlite.dryrun.blocktrace import BlockWatch, Selection, select, shallow_plan
@@ -160,7 +161,15 @@ def trace_step(cfg: JobConfig, plan: Plan, meshes: Meshes, selection: Selection,
             h.remove()
         watch.close()
         grads = [p.grad for p in params if p.grad is not None]
-        return replay(tracer, [*weights, *buffers], grads, state, **watch.replay(optimizers))
+        trace = replay(tracer, [*weights, *buffers], grads, state, **watch.replay(optimizers))
+        if cfg.eval.tasks and plan.stages is None and hasattr(step, "eval_logprobs"):
+            optimizers.zero_grad()  # the loop's, before it evaluates
+            ids = torch.randint(0, plan.args.vocab_size, (cfg.eval.batch_size, t.seq_len))
+            batch = {"input_ids": ids, "labels": ids}
+            if dims.cp > 1:
+                batch = context.shard_batch(batch, meshes.cp.get_local_rank(), dims.cp)
+            trace = dataclasses.replace(trace, eval_transient=eval_transient(tracer, step, batch, parts))
+        return trace
 
 
 @dataclasses.dataclass
@@ -177,6 +186,8 @@ class Role:
     copied_calls: int  # pipeline calls counted as copies (titanlite.dryrun.pptrace)
     compiled_peaks: dict[str, dict[str, float]]
     """The peaks as compiled blocks hold them (what their partitioner recomputes is not kept)."""
+    eval_transient: float | None = None
+    """An in-loop evaluation's forward beyond what stays between steps (titanlite.dryrun.evaltrace)."""
 
     @property
     def peak_phase(self) -> str:
@@ -199,7 +210,8 @@ def role_of(tr: Trace, selection: Selection, rank: int) -> Role:
                        tuple(timing.Unit(times, timing.compact(ops), timing.compact(fused), tuple(cs), selection.period)
                              for times, ops, fused, cs in tr.units),
                        timing.compact(tr.block_ops), timing.compact(tr.compiled_block_ops))
-    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied, tr.compiled_peaks)
+    return Role(rank, tr.peaks, comms, tr.flops, work, len(selection.chosen), tr.copied, tr.compiled_peaks,
+                tr.eval_transient)
 
 
 def trace_role(cfg: JobConfig, plan: Plan, world_size: int, selection: Selection, device: str, full: bool,
@@ -248,7 +260,7 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None = None, ful
                        "local_batch_size": t.local_batch_size, "global_batch_size": plan.global_batch_size,
                        "activation_checkpoint": ac.mode, "param_dtype": t.mixed_precision_param,
                        "attn_backend": backend, "compile": compiled, "replica_groups": groups,
-                       "float8": cfg.float8.enable and cfg.float8.recipe},
+                       "float8": cfg.float8.enable and cfg.float8.recipe, "eval_batch_size": cfg.eval.batch_size},
             "world_size": world_size,
             "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                        "tp": dims.tp, "pp": dims.pp, "ep": dims.ep},
@@ -424,6 +436,12 @@ def main(argv: list[str] | None = None) -> None:
     if opts["out"]:
         with open(opts["out"], "w") as f:
             json.dump(rep, f, indent=1)
+    evals = [r["eval_peak_gib"] for r in rep["roles"] if r["eval_peak_gib"] is not None]
+    if evals and max(evals) > gpu.memory_gib:
+        print(f"titanlite: error: an evaluation's per-rank peak {max(evals):.1f} GiB (eval.batch_size "
+              f"{rep['config']['eval_batch_size']} x training.seq_len {rep['config']['seq_len']}) exceeds the "
+              f"{gpu.name}'s {gpu.memory_gib:.1f} GiB; use a smaller eval.batch_size", file=sys.stderr)
+        sys.exit(2)
     if not rep["predicted"]["fits"]:
         peak = max(r["memory_gib"]["peak"] for r in rep["roles"])
         print(f"titanlite: error: the per-rank peak {peak:.1f} GiB exceeds the {gpu.name}'s "
