@@ -16,7 +16,8 @@ the run accepts: a bound) and N = rl.max_new_tokens (every completion runs to th
            takes the longer of the two), and a step whose FLOPs take longer is compute-bound
 
 Weights and cache are in the parameter dtype under FSDP (it casts the weights it gathers); without
-FSDP the rollout runs outside the step's autocast, in the weights' float32. Not counted: kernel
+FSDP the rollout runs outside the step's autocast, in the weights' float32. Every weight is read
+each step (a MoE layer's unrouted experts too: a bound). Not counted: kernel
 launch gaps (an eager decode step launches a few kernels per layer), the reward, and the extra
 log-prob forwards of rl.kl_coef > 0 or rl.updates_per_batch > 1. A step of the rollout batch's
 rl.updates_per_batch updates takes the rollout once and the traced step updates_per_batch times.
@@ -39,6 +40,9 @@ def grpo_times(cfg: JobConfig, plan: Any, gpu: GPU, update_s: float, param_dtype
     """The rollout's and the update's seconds per rollout batch on `gpu` (the module doc), the
     update step taking `update_s` and FSDP casting to `param_dtype` (the name the dry run resolved)."""
     r, t, dims, args = cfg.rl, cfg.training, plan.dims, plan.args
+    if plan.spec.from_hf_config is not None:  # transformers' attention and cache: no formula here
+        return {"untimed": f"model.name {plan.spec.name} generates with transformers' own attention and cache, "
+                           "which have no formula here"}
     dtype = getattr(torch, param_dtype) if dims.fsdp else torch.float32
     weights, _ = weights_per_rank(plan.spec, args, dims.tp, dtype)
     g, n, prompt = r.group_size, r.max_new_tokens, t.seq_len - r.max_new_tokens
@@ -65,11 +69,14 @@ def grpo_times(cfg: JobConfig, plan: Any, gpu: GPU, update_s: float, param_dtype
 
 
 def print_grpo(p: dict[str, Any]) -> None:
+    if "untimed" in p:
+        print(f"GRPO: the rollout is not timed: {p['untimed']}")
+        return
     print(f"GRPO, per rollout batch on each rank: {p['prompts_per_rank']} prompt(s) x {p['group_size']} completions, "
           f"prompts of {p['prompt_tokens']} tokens (seq_len - max_new_tokens: a bound) + {p['new_tokens']} new, "
           f"generated in {p['dtype']} ({p['weights_bytes'] / 2**30:.2f} GiB of weights read per decode step)")
-    print(f"  rollout {p['rollout_s']:9.3f} s  (prefill {p['prefill_s']:.3f} s, decode {p['decode_s']:.3f} s: "
-          f"weights + cache read {p['decode_read_s']:.3f} s, FSDP gathers {p['decode_gather_s']:.3f} s)")
-    print(f"  update  {p['update_s']:9.3f} s  ({p['updates']} x the step above)")
-    print(f"  total   {p['step_s']:9.3f} s  (rollout {100 * p['rollout_s'] / p['step_s']:.0f}%; launch gaps, rewards "
+    print(f"  rollout {p['rollout_s']:9.4g} s  (prefill {p['prefill_s']:.4g} s, decode {p['decode_s']:.4g} s: "
+          f"weights + cache read {p['decode_read_s']:.4g} s, FSDP gathers {p['decode_gather_s']:.4g} s)")
+    print(f"  update  {p['update_s']:9.4g} s  ({p['updates']} x the step above)")
+    print(f"  total   {p['step_s']:9.4g} s  (rollout {100 * p['rollout_s'] / p['step_s']:.0f}%; launch gaps, rewards "
           "and log-prob forwards not counted)")
