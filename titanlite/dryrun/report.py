@@ -60,9 +60,7 @@ def report(result: dict, gpu: hardware.GPU) -> dict:
                                               "group_size": v["group_size"]}
                             for (k, g, p), v in sorted(role.comms.items())},
             "flops_per_step": role.flops,
-            # an evaluation runs between steps: the weights and optimizer state stay, the gradients are gone
-            "eval_peak_gib": None if role.eval_transient is None else (
-                role.peaks["optimizer"]["parameters"] + role.peaks["optimizer"]["optimizer"] + role.eval_transient) / GIB,
+            "eval_peak_gib": None if role.eval_peak is None else role.eval_peak / GIB,
             "step_s": times[id(role)].step(*bubble),
             "step_terms_s": dataclasses.asdict(times[id(role)])})
     tps = tokens / step_s / world

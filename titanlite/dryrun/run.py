@@ -198,6 +198,14 @@ class Role:
         peaks = self.compiled_peaks if compiled else self.peaks
         return peaks, max(PHASES, key=lambda p: peaks[p]["total"])
 
+    @property
+    def eval_peak(self) -> float | None:
+        """An in-loop evaluation's peak in bytes: it runs between steps, where the weights and the
+        optimizer state stay and the gradients are gone; None without [eval] tasks."""
+        if self.eval_transient is None:
+            return None
+        return self.peaks["optimizer"]["parameters"] + self.peaks["optimizer"]["optimizer"] + self.eval_transient
+
     def times(self, gpu: hardware.GPU, compiled: bool, k: timing.Factors = timing.FITTED) -> timing.StepTimes:
         return timing.step_times(self.work, gpu, compiled, k)
 
@@ -276,6 +284,7 @@ class Estimate:
     categories: dict[str, float]  # bytes per category live at the peak
     total: float  # the per-rank peak in bytes (the largest over the traced roles)
     phase: str  # the part of the step where the peak falls: forward, backward or optimizer
+    eval_total: float | None = None  # an in-loop evaluation's per-rank peak in bytes (the largest); None: no [eval]
 
 
 def train_device(cfg: JobConfig) -> str:
@@ -288,7 +297,9 @@ def estimate(cfg: JobConfig, world_size: int, device: str | None = None) -> tupl
     compiled = result["config"]["compile"]
     role = max(result["_roles"], key=lambda r: (lambda p, ph: p[ph]["total"])(*r.peaks_as(compiled)))
     peaks, phase = role.peaks_as(compiled)
-    return Estimate({c: peaks[phase][c] for c in CATEGORIES}, peaks[phase]["total"], phase), result["_plan"].dims
+    evals = [r.eval_peak for r in result["_roles"] if r.eval_peak is not None]
+    return (Estimate({c: peaks[phase][c] for c in CATEGORIES}, peaks[phase]["total"], phase, max(evals, default=None)),
+            result["_plan"].dims)
 
 
 def device_limit_gib(local_ranks: int) -> tuple[float, str]:
@@ -305,8 +316,8 @@ MIN_BYTES_PER_PARAM = 12
 
 
 def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: int) -> None:
-    """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate
-    exceeds what this machine has by more than 10%. A model whose parameters alone cannot fit,
+    """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate (its
+    step's, or its in-loop evaluation's) exceeds what this machine has by more than 10%. A model whose parameters alone cannot fit,
     even sharded over every rank, is refused before the dry run, which would trace it for minutes
     (a 10^11-row vocabulary)."""
     if cfg.job.memory_check == "off":
@@ -322,12 +333,17 @@ def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: in
                           f"(weights, gradients and one optimizer state, sharded over all {world_size} ranks), "
                           f"more than {limit:.2f} GiB ({what}); use a smaller model or more ranks")
     est, _ = estimate(cfg, world_size, train_device(cfg))
-    if est.total / GIB <= 1.1 * limit:
+    if est.total / GIB > 1.1 * limit:
+        msg = (f"the estimated per-rank peak {est.total / GIB:.2f} GiB (during {est.phase}) exceeds {limit:.2f} GiB "
+               f"({what}) by more than 10%; use more ranks or a larger tensor_parallel_degree, "
+               "activation_checkpoint.mode full or a smaller training.local_batch_size "
+               "(job.memory_check = warn or off skips this check)")
+    elif est.eval_total is not None and est.eval_total / GIB > 1.1 * limit:
+        msg = (f"an evaluation's estimated per-rank peak {est.eval_total / GIB:.2f} GiB (eval.batch_size "
+               f"{cfg.eval.batch_size} x training.seq_len {cfg.training.seq_len}) exceeds {limit:.2f} GiB ({what}) by "
+               "more than 10%; use a smaller eval.batch_size (job.memory_check = warn or off skips this check)")
+    else:
         return
-    msg = (f"the estimated per-rank peak {est.total / GIB:.2f} GiB (during {est.phase}) exceeds {limit:.2f} GiB "
-           f"({what}) by more than 10%; use more ranks or a larger tensor_parallel_degree, "
-           "activation_checkpoint.mode full or a smaller training.local_batch_size "
-           "(job.memory_check = warn or off skips this check)")
     if cfg.job.memory_check == "error":
         raise ConfigError(msg)
     print(f"titanlite: warning: {msg}", file=sys.stderr)
