@@ -17,10 +17,10 @@ the run accepts: a bound) and N = rl.max_new_tokens (every completion runs to th
 
 Weights and cache are in the parameter dtype under FSDP (it casts the weights it gathers); without
 FSDP the rollout runs outside the step's autocast, in the weights' float32. Every weight is read
-each step (a MoE layer's unrouted experts too: a bound). Not counted: kernel
-launch gaps (an eager decode step launches a few kernels per layer), the reward, and the extra
-log-prob forwards of rl.kl_coef > 0 or rl.updates_per_batch > 1. A step of the rollout batch's
-rl.updates_per_batch updates takes the rollout once and the traced step updates_per_batch times.
+each step (a MoE layer's unrouted experts too: a bound). Not counted: kernel launch gaps (an
+eager decode step launches a few kernels per layer), the reward, and the extra log-prob forwards
+of rl.kl_coef > 0 or rl.updates_per_batch > 1. A rollout batch trains rl.updates_per_batch steps:
+it takes the rollout once and the traced step updates_per_batch times.
 """
 
 from __future__ import annotations

@@ -317,9 +317,9 @@ MIN_BYTES_PER_PARAM = 12
 
 def check_memory(cfg: JobConfig, world_size: int, local_ranks: int, n_params: int) -> None:
     """run_train.sh's preflight: refuse (or warn about) a job whose per-rank peak estimate (its
-    step's, or its in-loop evaluation's) exceeds what this machine has by more than 10%. A model whose parameters alone cannot fit,
-    even sharded over every rank, is refused before the dry run, which would trace it for minutes
-    (a 10^11-row vocabulary)."""
+    step's, or its in-loop evaluation's) exceeds what this machine has by more than 10%. A model
+    whose parameters alone cannot fit, even sharded over every rank, is refused before the dry
+    run, which would trace it for minutes (a 10^11-row vocabulary)."""
     if cfg.job.memory_check == "off":
         return
     limit, what = device_limit_gib(local_ranks)
