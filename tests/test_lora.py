@@ -481,36 +481,3 @@ def test_generation_reads_a_lora_checkpoint_as_its_merged_model(layouts, tmp_pat
     with pytest.raises(SystemExit, match="is a LoRA checkpoint whose base model .*gone .* is missing"):
         generate_main([str(tmp_path / "moved"), *common])
 
-
-def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment():
-    """The reference of a LoRA run (preference, RL) is the model with its adapters off: bitwise
-    the model before LoRA, even with dropout set and the model in train mode. token_logprobs
-    and segment_sums are what those losses sum: log_softmax gathered at the labels, by segment."""
-    from titanlite.layers.lora import adapters_off
-    from titanlite.loss import segment_sums, token_logprobs
-    spec = get_model_spec("llama3")
-    args = model_args(spec, "debugmodel", 0, 32)
-    model = spec.build(args)
-    model.init_weights(3)
-    ids = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    ctx = titanlite.layers.attention.AttnSetup().context(None, None, seq_len=12, device=ids.device)
-    base = model(ids, ctx)
-    setup = setup_lora(LoRA(rank=4, alpha=8, dropout=0.5, target_modules=["wq", "w2"]), spec, args)
-    apply_lora(model, setup)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(generator=torch.Generator().manual_seed(1))
-    model.train()
-    assert (model(ids, ctx) - base).abs().max() > 1e-3  # the adapters (and dropout) move the logits
-    with adapters_off(model):
-        assert torch.equal(model(ids, ctx), base)
-    labels = ids.roll(-1, 1)
-    labels[0, :3] = IGNORE_INDEX
-    lp = token_logprobs(base, labels)
-    want = base.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    torch.testing.assert_close(lp, torch.where(labels == IGNORE_INDEX, 0.0, want), rtol=0, atol=1e-6)
-    segments = torch.full_like(labels, -1)
-    segments[0, 3:7], segments[0, 7:], segments[1, 2:] = 0, 1, 2
-    sums = segment_sums(lp, segments, 3)
-    torch.testing.assert_close(sums, torch.stack([want[0, 3:7].sum(), want[0, 7:].sum(), want[1, 2:].sum()]))

@@ -226,3 +226,40 @@ def test_the_dry_run_traces_the_reference_forward(capsys):
         main(["--config", "dpo_debug.toml", "--preference.loss", loss])
         flops[loss] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
     assert flops["dpo"] > 1.2 * flops["simpo"], flops
+
+
+def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment():
+    """The reference of a LoRA run (preference, RL) is the model with its adapters off: bitwise
+    the model before LoRA, even with dropout set and the model in train mode. token_logprobs
+    and segment_sums are what those losses sum: log_softmax gathered at the labels, by segment."""
+    from titanlite.checkpoint.lora import setup_lora
+    from titanlite.config.job import LoRA
+    from titanlite.layers.lora import adapters_off, apply_lora
+    from titanlite.loss import segment_sums
+    from titanlite.model_spec import get_model_spec, model_args
+    spec = get_model_spec("llama3")
+    args = model_args(spec, "debugmodel", 0, 32)
+    model = spec.build(args)
+    model.init_weights(3)
+    ids = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    ctx = AttnSetup().context(None, None, seq_len=12, device=ids.device)
+    base = model(ids, ctx)
+    setup = setup_lora(LoRA(rank=4, alpha=8, dropout=0.5, target_modules=["wq", "w2"]), spec, args)
+    apply_lora(model, setup)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(generator=torch.Generator().manual_seed(1))
+    model.train()
+    assert (model(ids, ctx) - base).abs().max() > 1e-3  # the adapters (and dropout) move the logits
+    with adapters_off(model):
+        assert torch.equal(model(ids, ctx), base)
+    labels = ids.roll(-1, 1)
+    labels[0, :3] = IGNORE_INDEX
+    lp = token_logprobs(base, labels)
+    want = base.float().log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(lp, torch.where(labels == IGNORE_INDEX, 0.0, want), rtol=0, atol=1e-6)
+    segments = torch.full_like(labels, -1)
+    segments[0, 3:7], segments[0, 7:], segments[1, 2:] = 0, 1, 2
+    sums = segment_sums(lp, segments, 3)
+    torch.testing.assert_close(sums, torch.stack([want[0, 3:7].sum(), want[0, 7:].sum(), want[1, 2:].sum()]))
