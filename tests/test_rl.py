@@ -192,6 +192,7 @@ BAD = {  # the arguments, and the start of the one line each gets before launch
     "tp_sequence_parallel": (["--parallelism.tensor_parallel_degree", "2"], "parallelism.sequence_parallel: rl.enable"),
     "groups_over_dp": (["--training.global_batch_size", "4", "--training.local_batch_size", "2"],
                        "training.global_batch_size 4 must be rl.group_size 4 x a multiple of"),
+    "lora_dropout": (["--lora.rank", "4", "--lora.dropout", "0.1"], "lora.dropout 0.1 with rl.enable: GRPO's ratio"),
     "preference_data": (["--data.format", "preference", "--data.tokenizer", "byte_chat", "--data.streaming", "false",
                          "--data.document_mask", "true"], "rl.enable: a GRPO run's data are its rollouts"),
 }
@@ -209,7 +210,7 @@ def test_bad_rl_input_is_one_line_before_launch(tmp_path):
     for name, (args, line) in BAD.items():
         with pytest.raises(ConfigError) as e:
             cfg, _ = config_load.load([*base, *args])
-            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "kl_full", "preference_data") or "reward" in args[0] or "prompt" in name else 2))
+            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "kl_full", "preference_data", "lora_dropout") or "reward" in args[0] or "prompt" in name else 2))
         assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
 
 

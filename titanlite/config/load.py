@@ -276,6 +276,10 @@ def check_config(cfg: JobConfig) -> None:
     if s.warmup_steps < 0 or not 0.0 <= s.decay_ratio <= 1.0 or not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError("lr_scheduler: need warmup_steps >= 0 and decay_ratio, min_lr_factor in [0, 1]")
     check_data(cfg.data, cfg.validation)
+    if cfg.rl.enable and cfg.lora.rank > 0 and cfg.lora.dropout > 0:
+        raise ConfigError(f"lora.dropout {cfg.lora.dropout} with rl.enable: GRPO's ratio compares the policy's log-probs "
+                          "with its old ones, and a dropout draw would move it off 1 where the policy has not; "
+                          "set lora.dropout = 0 (TRL turns dropout off for GRPO too)")
     if cfg.rl.enable and cfg.data.format == "preference":
         raise ConfigError("rl.enable: a GRPO run's data are its rollouts, not preference pairs; "
                           "set data.format = \"text\" (or \"chat\") or rl.enable = false")
