@@ -220,28 +220,29 @@ class PreferenceStep:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def _fill(self, batch: dict[str, torch.Tensor]) -> None:
+    def _fill(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        # one switch to the reference for all the step's micro-batches (a frozen copy is swapped in once)
         loss_fn, modes = self.inner.loss_fn, [part.training for part in self.parts]
         self.inner.loss_fn = _reference_logprobs
         for part in self.parts:
             part.eval()  # no dropout in the reference (LoRA's included)
         try:
             with torch.no_grad(), self.reference():
-                logprobs = self.inner.eval_loss_sum(batch)
+                logprobs = [self.inner.eval_loss_sum(batch) for batch in batches]
         finally:
             self.inner.loss_fn = loss_fn
             for part, mode in zip(self.parts, modes):
                 part.train(mode)
-        if logprobs.ndim == 2:  # a pipeline stage before the last computes no loss: its labels go unread
-            batch["labels"][..., REFERENCE] = logprobs.view(torch.int32).to(torch.int64)
+        for batch, lp in zip(batches, logprobs):
+            if lp.ndim == 2:  # a pipeline stage before the last computes no loss: its labels go unread
+                batch["labels"][..., REFERENCE] = lp.view(torch.int32).to(torch.int64)
 
     def __call__(self, batches: list[dict[str, torch.Tensor]]):
-        for batch in batches:
-            self._fill(batch)
+        self._fill(batches)
         return self.inner(batches)
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self._fill(batch)
+        self._fill([batch])
         return self.inner.eval_loss_sum(batch)
 
 
