@@ -263,3 +263,21 @@ def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment
     segments[0, 3:7], segments[0, 7:], segments[1, 2:] = 0, 1, 2
     sums = segment_sums(lp, segments, 3)
     torch.testing.assert_close(sums, torch.stack([want[0, 3:7].sum(), want[0, 7:].sum(), want[1, 2:].sum()]))
+
+
+def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_path):
+    """A full fine-tune's reference (preference.reference = model) is its starting weights: resumed from
+    a checkpoint without one (here a reference-free simpo run's), it would be taken from the resumed
+    weights, another model, silently. Refused in one line naming the route."""
+    from harness import TINY, launch, train
+    from test_preference_layouts import write_pairs
+
+    base = [*TINY, "--training.seq_len", "128", "--training.global_batch_size", "4", "--training.local_batch_size",
+            "4", "--data.path", str(write_pairs(tmp_path / "pairs.jsonl", 40)), "--data.format", "preference",
+            "--data.tokenizer", "byte_chat", "--data.document_mask", "true", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "2", "--training.steps", "2"]
+    train(1, [*base, "--preference.loss", "simpo", "--preference.reference", "model"], dump=tmp_path / "run")
+    run = launch(1, [*base, "--preference.reference", "model", "--training.steps", "4"], dump=tmp_path / "run")
+    assert run.returncode != 0
+    line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
+    assert "checkpoint.initial_load_path" in line, line

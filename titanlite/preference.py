@@ -137,6 +137,10 @@ class FrozenCopy:
     it (sharded alike), taken at the first reference pass (after any initial load) and saved with each
     checkpoint, so a resumed run's reference is the same. The reference pass swaps it in and out."""
 
+    resumed_only_from_itself = True
+    """A resumed checkpoint must hold it (CheckpointManager.load refuses one that does not): taken
+    from the resumed weights instead, the reference would silently be another model."""
+
     def __init__(self, parts: list[nn.Module]) -> None:
         self.fsdp = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
         self.params = {f"{i}.{n}": p for i, part in enumerate(parts) for n, p in part.named_parameters()}
