@@ -48,8 +48,8 @@ DEBUG = {
     "arcee": {},
     # QK-norm after RoPE
     "hunyuan_v1_dense": {},
-    # LayerNorm without parameters
-    "olmo": {},
+    # LayerNorm without parameters, q, k and v clipped (in place: under tensor parallel too)
+    "olmo": dict(clip_qkv=0.2),
     # a mixture of experts with a router of its own (and a sliding window on every layer)
     # (and its load-balancing loss trained, at a weight its gradients show)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,

@@ -42,6 +42,9 @@ STYLES = {
 """transformers' TP plan styles titanlite applies, by name (between: the residual stream's layout)."""
 GATHERED = ("colwise_gather_output",)
 TP = "parallelism.tensor_parallel_degree > 1"
+IN_PLACE = {"clip_qkv": "self_attn"}
+"""Config keys under which the architecture's forward changes the named sub-layer's projection
+outputs in place (OLMo's and OLMoE's clip_qkv: `query_states.clamp_(...)`), when set."""
 
 
 class WholeParallel(ParallelStyle):
@@ -49,6 +52,20 @@ class WholeParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return run_whole(module, mesh, Replicate())
+
+
+class OwnOutput(ParallelStyle):
+    """`style`, its local output a copy: a colwise output is a view DTensor.to_local made inside
+    an autograd Function, which autograd forbids changing in place (OLMo's clip_qkv clamp_)."""
+
+    def __init__(self, style: ParallelStyle):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, mesh)
+        module.register_forward_hook(lambda mod, args, out: out.clone())
+        return module
 
 
 class HiddenStatesIn(ParallelStyle):
@@ -95,6 +112,9 @@ def translate(config, between: Placement, key: str = TP) -> tuple[dict[str, str]
                               "tensor_parallel_degree 1")
         names[path] = style
         block[path] = STYLES[style](between)
+        if style == "colwise" and any(path.startswith(sub + ".") for key, sub in IN_PLACE.items()
+                                      if getattr(config, key, None) is not None):
+            block[path] = OwnOutput(block[path])
     return names, block
 
 
