@@ -105,18 +105,20 @@ def test_export_is_a_folder_transformers_loads_with_equal_logits(folder, straigh
 
 def test_a_checkpoint_of_another_transformers_config_is_refused(folder, straight, tmp_path):
     """Every key of the saved transformers config that changes what the model computes is
-    compared on resume, before launch: another activation or RoPE scaling is refused naming the
-    model.hf_overrides key with both values; use_cache changes nothing and may differ."""
+    compared on resume, before launch: another activation, norm epsilon or RoPE scaling is
+    refused naming the model.hf_overrides key with both values; use_cache changes nothing and may
+    differ."""
     shutil.copytree(straight / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
     step2 = tmp_path / "checkpoint" / "step-2"
     linear = '{"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}'
     (tmp_path / "rope.toml").write_text(f"[model]\nhf_overrides = ['rope_parameters={linear}']\n")  # commas: TOML
-    for override, saved, now in ((["--model.hf_overrides", "hidden_act=gelu"], "'silu'", "'gelu'"),
-                                 (["--config", str(tmp_path / "rope.toml")],
-                                  "{'rope_theta': 10000.0, 'rope_type': 'default'}",
-                                  "{'factor': 8.0, 'rope_theta': 10000.0, 'rope_type': 'linear'}")):
+    # rms_norm_eps: the key the user sets, not titanlite's ModelArgs.norm_eps made of it
+    for override, key, saved, now in ((["--model.hf_overrides", "hidden_act=gelu"], "hidden_act", "'silu'", "'gelu'"),
+                                      (["--model.hf_overrides", "rms_norm_eps=1e-5"], "rms_norm_eps", "1e-06", "1e-05"),
+                                      (["--config", str(tmp_path / "rope.toml")], "rope_parameters",
+                                       "{'rope_theta': 10000.0, 'rope_type': 'default'}",
+                                       "{'factor': 8.0, 'rope_theta': 10000.0, 'rope_type': 'linear'}")):
         cfg, _ = config_load.load([*override, *job(folder), "--job.dump_folder", str(tmp_path)])
-        key = "hidden_act" if "hidden_act=gelu" in override else "rope_parameters"
         with pytest.raises(ConfigError, match=re.escape(f"{step2} holds a checkpoint of model 'transformers' with "
                                                         f"model.hf_overrides {key} {saved}, but this run has {now}")):
             preflight(cfg, 2)

@@ -86,6 +86,8 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
                           f"resume it with --model.name {family}, or give this run its own job.dump_folder "
                           "(or checkpoint.folder / checkpoint.initial_load_path)")
     saved, now = info.get("args", {}), json.loads(json.dumps(dataclasses.asdict(args)))
+    if spec.compare_saved is not None:  # first: it names the keys the user sets (rms_norm_eps), not ModelArgs'
+        same_model(what, spec.compare_saved(saved, args))
     differ = [k for k in IDENTITY if k in saved and k in now and saved[k] != now[k]]
     if differ:
         # the transformers family has no flavor: its args come from model.hf_config and model.hf_overrides
@@ -94,8 +96,6 @@ def check_saved_model(path: Path, info: dict[str, Any], meta: Metadata, spec: Mo
         raise ConfigError(f"{what} with {', '.join(f'{k}={saved[k]!r}' for k in differ)}, but this run's "
                           f"{run} {', '.join(f'{k}={now[k]!r}' for k in differ)}; resume it with "
                           f"the {source} it was saved with, or give this run its own job.dump_folder")
-    if spec.compare_saved is not None:
-        same_model(what, spec.compare_saved(saved, args))
     shapes = saved_shapes(meta, "model.")
     adapters_only(path, info, mine, shapes)
     check_shapes(mine, shapes, str(path))
