@@ -443,24 +443,33 @@ def broken_fork(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("where", ["build", "forward"])
+@pytest.mark.parametrize("where", ["build", "forward", "transformers"])
 def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork, capsys, where):
     """Raised by a fork's model.py while the preflight builds the model, or in its forward while
     the dry run traces the step: one line with the file, line and exception, and no
-    --skip-preflight (launching without the preflight fails the same way)."""
+    --skip-preflight (launching without the preflight fails the same way). The transformers
+    family's error in transformers' code is named there, not at models/transformers' call."""
+    argv = ["--model.name", "my_bad"]
     if where == "build":
         broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
-    else:
+    elif where == "forward":
         broken_fork("        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))",
                     "        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))\n\n"
                     "    def forward(self, tokens, ctx=None):\n        raise NotImplementedError('my idea')")
+    else:
+        argv = ["--model.name", "transformers", "--model.hf_config", "olmo", "--model.hf_overrides",
+                "hidden_size=64,num_attention_heads=4,vocab_size=512,eos_token_id=2,hidden_act=my_idea"]
+        get_model_spec("transformers")
+        capsys.readouterr()  # torch's warnings as the family's imports first load them
     with pytest.raises(SystemExit) as e:
-        main(["--check-memory", "1", "--config", "debug_model.toml", "--model.name", "my_bad"])
+        main(["--check-memory", "1", "--config", "debug_model.toml", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1, err
-    function = "block" if where == "build" else "forward"
-    assert re.fullmatch(r"titanlite: error: the preflight failed in the model's code, models/my_bad/model\.py "
-                        rf"line \d+ \(in {function}\): NotImplementedError: my idea; traceback in \S+", err[0]), err
+    function = {"build": "block", "forward": "forward", "transformers": "__getitem__"}[where]
+    line = (r"transformers/activations\.py line \d+ \(in __getitem__\): KeyError: 'my_idea'" if where == "transformers"
+            else rf"models/my_bad/model\.py line \d+ \(in {function}\): NotImplementedError: my idea")
+    assert re.fullmatch(rf"titanlite: error: the preflight failed in the model's code, {line}; traceback in \S+",
+                        err[0]), err
     Path(err[0].rpartition(" ")[2]).unlink()
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import pkgutil
 import re
+import site
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,10 +135,28 @@ def in_model_code(exc: BaseException) -> str | None:
         kind, message = exc.kind, exc.message
     if isinstance(exc, SyntaxError) and exc.filename:  # the file never ran: no frame of its own
         frames.append((exc.filename, exc.lineno, "<module>"))
-    for filename, line, function in reversed(frames):
+    for i in reversed(range(len(frames))):
+        filename, line, function = frames[i]
         path = Path(filename).resolve()
         for root in (r for r in roots if path.is_relative_to(r)):
+            called = _called_package(frames[i + 1:])
+            if called is not None:  # the family runs another package's modeling code (transformers'): it failed there
+                return f"{called[0]} line {called[1]} (in {called[2]}): {kind}: {message}"
             return f"models/{path.relative_to(root)} line {line} (in {function}): {kind}: {message}"
+    return None
+
+
+def _called_package(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost of `frames` (those below a family's own) in an installed package other than
+    torch and titanlite (what the model's code computes with, not its code): ("pkg/file.py",
+    line, function)."""
+    sites = [Path(p).resolve() for p in site.getsitepackages()]
+    for filename, line, function in reversed(frames):
+        path = Path(filename).resolve()
+        for root in (r for r in sites if path.is_relative_to(r)):
+            relative = path.relative_to(root)
+            if relative.parts[0] not in ("torch", "titanlite"):
+                return str(relative), line, function
     return None
 
 
