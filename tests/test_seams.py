@@ -265,10 +265,13 @@ import torch.distributed as dist
 from titanlite.config.job import Comm, Training
 from titanlite.runtime.fault import Guard
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-guard = Guard(0, sys.argv[1], Comm(train_timeout_s=1, validation_timeout_s=60), Training(), 60, start_step=1)
+guard = Guard(0, sys.argv[1], Comm(train_timeout_s=1, validation_timeout_s=3, eval_timeout_s=60), Training(), 60,
+              start_step=1)
 guard.start_step(2)
 guard.phase("validation")
-time.sleep(3)  # longer than a training step may take, well inside validation's deadline
+time.sleep(2)  # longer than a training step may take, inside validation's deadline
+guard.phase("evaluation")
+time.sleep(4)  # longer than a validation may take, well inside evaluation's deadline
 guard.phase("logging")
 time.sleep(30)
 """

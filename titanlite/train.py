@@ -371,8 +371,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device),
                                    preference.held_out(loss_fn, once))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
-        if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score), timed as validation is
-            guard.phase("validation")
+        if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score)
+            guard.phase("evaluation")
             metrics.log_eval(step, scores := evaluator(parts, prepare, train_step.eval_logprobs, device))
             throughput.pause(scores["eval/seconds"])
 

@@ -404,6 +404,10 @@ class Comm:
     """Seconds a checkpoint save may take (the same hang report past it)."""
     validation_timeout_s: int = 600
     """Seconds one evaluation of the validation loss may take (the same hang report past it)."""
+    eval_timeout_s: int = 1800
+    """Seconds one in-loop evaluation ([eval]) may take (the same hang report past it): it scores
+    eval.limit examples of every task, often many more sequences than a validation, and
+    generation tasks decode token by token."""
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,7 @@ def check_config(cfg: JobConfig) -> None:
                      ("comm.train_timeout_s", cfg.comm.train_timeout_s),
                      ("comm.save_timeout_s", cfg.comm.save_timeout_s),
                      ("comm.validation_timeout_s", cfg.comm.validation_timeout_s),
+                     ("comm.eval_timeout_s", cfg.comm.eval_timeout_s),
                      ("job.shutdown_timeout_s", cfg.job.shutdown_timeout_s),
                      ("profiling.start_step", cfg.profiling.start_step),
                      ("profiling.num_steps", cfg.profiling.num_steps)]:

@@ -124,7 +124,8 @@ def dump_hang_report(folder: Path, rank: int, reason: str, exc: BaseException | 
 
 # The config key that bounds each phase of a step (comm.<key>)
 _PHASE_DEADLINES = {"compute": "train_timeout_s", "logging": "train_timeout_s",
-                    "checkpoint save": "save_timeout_s", "validation": "validation_timeout_s"}
+                    "checkpoint save": "save_timeout_s", "validation": "validation_timeout_s",
+                    "evaluation": "eval_timeout_s"}
 
 _active: Guard | None = None
 """This process's guard while training runs, for as_run_error()."""
@@ -166,8 +167,8 @@ class Watchdog:
             self._final = True
 
     def phase(self, name: str) -> None:
-        """Start a phase of the step: compute, checkpoint save, logging or validation. Each has
-        its own deadline, and a hang report names the phase it stopped in."""
+        """Start a phase of the step: compute, checkpoint save, logging, validation or evaluation.
+        Each has its own deadline, and a hang report names the phase it stopped in."""
         key = _PHASE_DEADLINES[name]
         if name == "compute" and self.step == self.first_step:
             key = "init_timeout_s"  # this process's first step also compiles and warms up
