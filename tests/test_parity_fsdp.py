@@ -20,7 +20,7 @@ def test_fsdp_matches_single_process(nproc, local):
 
 
 def test_grad_accumulation_two_micro_batches_match_one():
-    one = reference([*TINY, "--training.global_batch_size", "4", "--training.local_batch_size", "4"])
+    one = reference(TINY)  # global 4 on one process: test_context_parallel's run, shared
     two = train(1, [*TINY, "--training.global_batch_size", "4", "--training.local_batch_size", "2"])
     assert_parity(one.losses, two.losses)
 

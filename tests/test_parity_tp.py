@@ -37,7 +37,7 @@ def _check(ref: Run, run: Run) -> None:
     (1, 1, 2, False), (1, 2, 2, True), (2, 2, 2, True)],
     ids=["tp2-gathered_logits", "fsdp2xtp2", "hsdp2x2xtp2"])
 def test_tp_matches_single_process(replicate, shard, tp, loss_parallel):
-    ref = reference([*GLOBAL4, "--training.local_batch_size", "4"])
+    ref = reference(TINY)  # one process's global batch is TINY's local 4: test_context_parallel's run, shared
     run = train(replicate * shard * tp, _parallel(replicate, shard, tp, loss_parallel))
     _check(ref, run)
 
@@ -45,7 +45,7 @@ def test_tp_matches_single_process(replicate, shard, tp, loss_parallel):
 def test_tp_without_sequence_parallel():
     """FSDP 2 x TP 2 with replicated activations and gathered logits; TP 2 alone without
     sequence parallel is in test_every_gradient_matches_under_tp (here and for qwen3)."""
-    ref = reference([*GLOBAL4, "--training.local_batch_size", "4"])
+    ref = reference(TINY)
     _check(ref, train(4, [*_parallel(1, 2, 2, False), "--parallelism.sequence_parallel", "false"]))
 
 
