@@ -445,10 +445,8 @@ def broken_fork(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", ["build", "forward", "transformers"])
 def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork, capsys, where):
-    """Raised by a fork's model.py while the preflight builds the model, or in its forward while
-    the dry run traces the step: one line with the file, line and exception, and no
-    --skip-preflight (launching without the preflight fails the same way). The transformers
-    family's error in transformers' code is named there, not at models/transformers' call."""
+    """Raised by a fork's model.py in the preflight's build or the dry run's forward: one line with the file, line
+    and exception, no --skip-preflight (launching without it fails alike); raised in transformers' code: its file."""
     argv = ["--model.name", "my_bad"]
     if where == "build":
         broken_fork("    return Block(", "    raise NotImplementedError('my idea')\n    return Block(")
@@ -456,20 +454,17 @@ def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork,
         broken_fork("        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))",
                     "        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))\n\n"
                     "    def forward(self, tokens, ctx=None):\n        raise NotImplementedError('my idea')")
-    else:
+    else:  # an activation transformers lacks (the family's first import's torch warnings read away first)
+        get_model_spec("transformers"), capsys.readouterr()
         argv = ["--model.name", "transformers", "--model.hf_config", "olmo", "--model.hf_overrides",
                 "hidden_size=64,num_attention_heads=4,vocab_size=512,eos_token_id=2,hidden_act=my_idea"]
-        get_model_spec("transformers")
-        capsys.readouterr()  # torch's warnings as the family's imports first load them
     with pytest.raises(SystemExit) as e:
         main(["--check-memory", "1", "--config", "debug_model.toml", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1, err
-    function = {"build": "block", "forward": "forward", "transformers": "__getitem__"}[where]
     line = (r"transformers/activations\.py line \d+ \(in __getitem__\): KeyError: 'my_idea'" if where == "transformers"
-            else rf"models/my_bad/model\.py line \d+ \(in {function}\): NotImplementedError: my idea")
-    assert re.fullmatch(rf"titanlite: error: the preflight failed in the model's code, {line}; traceback in \S+",
-                        err[0]), err
+            else rf"models/my_bad/model\.py line \d+ \(in {where.replace('build', 'block')}\): NotImplementedError: my idea")
+    assert re.fullmatch(rf"titanlite: error: the preflight failed in the model's code, {line}; traceback in \S+", err[0]), err
     Path(err[0].rpartition(" ")[2]).unlink()
 
 
