@@ -43,10 +43,22 @@ def test_only_the_eval_command_imports_lm_eval():
     root = pathlib.Path(titanlite.__file__).parent
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                    if re.search(r"^\s*(import lm_eval|from lm_eval)", p.read_text(), re.M))
-    assert users == ["eval/__main__.py", "eval/harness.py"]  # the model class, and the command inside run()
+    # the model class, the command inside run(), and the loop's lm-eval task names
+    assert users == ["eval/__main__.py", "eval/harness.py", "eval/lmtasks.py"]
+    # ... which training imports only inside load_tasks, where eval.tasks names an lm-eval task
+    lazy = {str(p.relative_to(root)): re.findall(r"^(\s*)(?:from titanlite.eval.lmtasks|import titanlite.eval.lmtasks)",
+                                                 p.read_text(), re.M) for p in root.rglob("*.py")}
+    assert {k: v for k, v in lazy.items() if v} == {"eval/score.py": [" " * 12]}
 
 
-def test_task_rows_refused(tmp_path):
+def test_task_rows_refused(tmp_path, monkeypatch):
+    from titanlite.config.eval import Eval, check_eval
+
+    with monkeypatch.context() as m:  # an lm-eval task name where lm-eval is not installed
+        m.setattr("importlib.util.find_spec", lambda name: None)
+        with pytest.raises(ConfigError, match="'hellaswag' is neither a built-in task .* lm-eval .* is not installed; "
+                                              "pip install"):
+            check_eval(Eval(tasks=["hellaswag"]))
     cases = [('{"context": "a", "choices": ["b", "c"], "gold": 2}', "row 1: gold 2 is not an index of its 2 choices"),
              ('{"text": "a"}\n{"txt": "b"}', "row 2: a bpb task's row needs the keys text"),
              ('{"prompt": "a", "answer": "b"}\nnot json', "row 2 is not JSON"),
@@ -120,6 +132,8 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
                                              for i in (1, 3, 7)))
     (tasks / "tl_mc.yaml").write_text(MC_YAML.format(data=tasks / "mc.jsonl"))
     (tasks / "tl_ppl.yaml").write_text(ROLLING_YAML.format(data=tasks / "ppl.jsonl"))
+    (tasks / "tl_gen.yaml").write_text(MC_YAML.replace("tl_mc", "tl_gen").replace(
+        "multiple_choice", "generate_until").format(data=tasks / "mc.jsonl"))
     # a task whose data set is on the hub only
     (tasks / "tl_hub.yaml").write_text(ROLLING_YAML.replace("tl_ppl", "tl_hub").replace(
         "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
@@ -132,6 +146,23 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
 
     ours = run(parse([str(tmp_path / "step-1"), "--tasks", "tl_mc,tl_ppl", "--include_path", str(tasks),
                       "--tokenizer", str(tmp_path / "hf"), "--batch_size", "3"]), manager)
+    # the same tasks named in eval.tasks, scored by the training loop's evaluator (one process, the
+    # model's context as training.seq_len): lm-eval's metrics, equal to the command's
+    from titanlite.config.eval import Eval
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.eval import lmtasks
+    from titanlite.eval.score import Evaluator, load_tasks
+    from titanlite.loss import token_logprobs
+
+    monkeypatch.setattr(lmtasks, "_manager", lambda include_path, defaults: manager)
+    monkeypatch.setattr("titanlite.eval.score.dist.all_reduce", lambda *a, **k: None)
+    ev = Evaluator(Eval(tasks=["tl_mc", "tl_ppl"], include_path=str(tasks), limit=0, batch_size=3),
+                   build_tokenizer(str(tmp_path / "hf")), 64, 0, 1, None)
+    loop = ev([model], lambda b: b, lambda b: token_logprobs(model(b["input_ids"]), b["labels"]), torch.device("cpu"))
+    for name, message in [("no_such_task", "'no_such_task' is not a built-in task, a .jsonl task file or an lm-eval"),
+                          ("tl_gen", "lm-eval task 'tl_gen' is a generate_until task, which the training loop")]:
+        with pytest.raises(ConfigError, match=message):
+            load_tasks(Eval(tasks=[name]))
     worst = 0.0
     for task in ("tl_mc", "tl_ppl"):
         a, b = theirs["samples"][task], ours["samples"][task]
@@ -144,8 +175,9 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
         for metric, value in theirs["results"][task].items():
             if isinstance(value, float) and "stderr" not in metric:
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+                assert loop[f"eval/{task}/{metric.removesuffix(',none')}"] == pytest.approx(value, rel=1e-5), metric
         for metric in ("acc,none", "acc_norm,none") if task == "tl_mc" else ():
-            assert ours["results"][task][metric] == theirs["results"][task][metric]
+            assert ours["results"][task][metric] == theirs["results"][task][metric] == loop[f"eval/{task}/{metric[:-5]}"]
     # generate_until: greedy up to a stop string, as transformers generates
     from lm_eval.api.instance import Instance
 

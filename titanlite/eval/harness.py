@@ -18,7 +18,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from titanlite.data.packing import IGNORE_INDEX
-from titanlite.eval.requests import Request, continuation, rolling
+from titanlite.eval.requests import Request, lm_eval_continuations, lm_eval_rolling
 from titanlite.generate import context_length, generate
 from titanlite.generate.load import load_model, load_tokenizer
 from titanlite.layers.attention import AttnContext
@@ -68,13 +68,12 @@ class TitanliteLM(LM):
 
     def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
         tok = self.tokenizer
-        asked = [continuation(tok.encode, ctx, cont, [] if ctx else [tok.bos_id], self.max_length, i)
-                 for i, (ctx, cont) in enumerate(r.args for r in requests)]
+        asked = lm_eval_continuations([r.args for r in requests], tok.encode, tok.bos_id, self.max_length)
         return score(self.model, asked, self.batch_size)
 
     def loglikelihood_rolling(self, requests: list[Instance]) -> list[float]:
-        asked = [w for i, r in enumerate(requests)
-                 for w in rolling(self.tokenizer.encode(r.args[0]), self.tokenizer.bos_id, self.max_length, i)]
+        tok = self.tokenizer
+        asked = lm_eval_rolling([r.args[0] for r in requests], tok.encode, tok.bos_id, self.max_length)
         out = [0.0] * len(requests)
         for r, (ll, _) in zip(asked, score(self.model, asked, self.batch_size)):
             out[r.example] += ll
