@@ -183,10 +183,26 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
 
     from titanlite.eval.harness import TitanliteLM
 
+    prompts = ["def f(x):\n    return", "Question 3: what is"]
     asks = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}), i)
-            for i, p in enumerate(["def f(x):\n    return", "Question 3: what is"])]
-    texts = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf")).generate_until(asks)
-    assert texts == hf.generate_until(asks) and any(texts)
+            for i, p in enumerate(prompts)]
+    tl = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf"))
+    texts = tl.generate_until(asks)
+    assert texts == hf.generate_until(asks) and all(texts)
+    # loglikelihood's greedy flag, as hf gives it: true for a context's own greedy next character
+    # (random weights mostly pick bytes that are not text: contexts whose pick is a printable one)
+    from titanlite.layers.attention import AttnContext
+
+    nexts = [(c, int(tl.model(torch.tensor([tl.tokenizer.encode(c)]), AttnContext())[0, -1].argmax()))
+             for c in (f"Question {i}:" for i in range(30))]
+    greedy = [(c, chr(t)) for c, t in nexts if 32 <= t < 127][:2]
+    asks = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(
+        [*greedy, (prompts[0], " x"), ("", "def"), (greedy[0][0], greedy[0][1] + "\u2603")])]
+    mine, hfs = tl.loglikelihood(asks), hf.loglikelihood(asks)
+    assert [g for _, g in mine] == [g for _, g in hfs] == [True] * len(greedy) + [False] * 3
+    # (a greedy character's log-likelihood is near 0: within 1e-5 absolute, about the float32
+    # resolution of these logits, which reach the tens)
+    assert [ll for ll, _ in mine] == pytest.approx([ll for ll, _ in hfs], rel=1e-5, abs=1e-5)
     print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
     with pytest.raises(ConfigError, match="no_such_task: not an lm-eval task here"):
         run(parse([str(tmp_path / "step-1"), "--tasks", "no_such_task"]), manager)
