@@ -23,7 +23,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="byte, byte_chat or a folder (default: the folder's own, else byte)")
     p.add_argument("--include_path", default="", help="a folder of task YAML files (local tasks)")
     p.add_argument("--limit", type=int, default=0, help="examples per task; 0: all")
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8,
+                   help="requests per forward (those of one context share its forward)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="", help="write lm-eval's results JSON here (default: print it)")
     return p.parse_args(argv)

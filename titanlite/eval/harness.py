@@ -37,8 +37,8 @@ def score(model: torch.nn.Module, requests: list[Request], batch_size: int, cont
     """(log-likelihood of its targets, whether greedy decoding gives them) of each request.
 
     Requests with the same context (the tokens before their first target: a multiple-choice
-    question's choices) share one forward of it: `batch_size` contexts at a time, longest first,
-    left-padded into a generation cache (titanlite.layers.cache, as titanlite.generate prefills
+    question's choices) share one forward of it: at most `batch_size` requests (and so contexts)
+    at a time, longest contexts first, left-padded into a generation cache (titanlite.layers.cache, as titanlite.generate prefills
     prompts), whose last logits predict each continuation's first target; the cache is then
     copied to one row per request and the continuations' own tokens run after it, right-padded
     (causal: padding changes no earlier logit). A question's N choices so cost one context and N
@@ -49,12 +49,19 @@ def score(model: torch.nn.Module, requests: list[Request], batch_size: int, cont
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(requests):
         groups.setdefault(tuple(r.tokens[:-r.n_target]), []).append(i)
-    order = sorted(groups, key=len, reverse=True)
+    # at most batch_size continuations (and so contexts) per forward, longest contexts first
+    pieces = sorted(((c, members[k:k + batch_size]) for c, members in groups.items()
+                     for k in range(0, len(members), batch_size)), key=lambda p: -len(p[0]))
+    batches: list[list[tuple[tuple[int, ...], list[int]]]] = [[]]
+    for piece in pieces:
+        if sum(len(m) for _, m in batches[-1]) + len(piece[1]) > batch_size:
+            batches.append([])
+        batches[-1].append(piece)
     out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-    for at in range(0, len(order), batch_size):
-        contexts = order[at:at + batch_size]
+    for batch in batches:
+        contexts = [c for c, _ in batch]
         longest = len(contexts[0])
-        asked = [i for c in contexts for i in groups[c]]
+        asked = [i for _, members in batch for i in members]
         targets = [requests[i].tokens[-requests[i].n_target:] for i in asked]
         width = max(map(len, targets)) - 1  # the continuations' inputs: their targets but the last
         ids = torch.zeros(len(contexts), longest, dtype=torch.long)
@@ -63,7 +70,7 @@ def score(model: torch.nn.Module, requests: list[Request], batch_size: int, cont
         cache = Cache(torch.tensor([longest - len(c) for c in contexts], device=device), longest + width)
         first = model(ids.to(device), AttnContext(positions=cache.positions(longest), past=cache))[:, -1]
         cache.advance(longest)
-        rows = torch.tensor([b for b, c in enumerate(contexts) for _ in groups[c]], device=device)
+        rows = torch.tensor([b for b, (_, members) in enumerate(batch) for _ in members], device=device)
         logits = first[rows][:, None]  # [requests, 1 + width, vocab]: what predicts each target
         if width:
             cache = cache.select(rows)
