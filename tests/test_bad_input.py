@@ -69,6 +69,11 @@ def _files(tmp) -> dict[str, str]:
     (tmp / "tok_no_template" / "tokenizer_config.json").write_text(
         '{"eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}')
     paths["tok_no_template"] = str(tmp / "tok_no_template")
+    (tmp / "lm_eval_tasks").mkdir()  # an lm-eval task whose data set is on the hub only
+    (tmp / "lm_eval_tasks" / "hub_mc.yaml").write_text(
+        "task: hub_mc\ndataset_path: someone/not_here\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{q}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: 0\n')
+    paths["lm_eval_tasks"] = str(tmp / "lm_eval_tasks")
     (tmp / "empty_dir").mkdir()
     paths["empty_dir"] = str(tmp / "empty_dir")
     return paths
@@ -221,8 +226,8 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                            "line 1: no token to train on with data.train_on = assistant"),
         # [eval] tasks: the section, then each task file's rows, before launch
         "eval_interval_zero": (["--eval.interval", "0"], {}, "eval.interval must be >= 1, got 0"),
-        "eval_unknown_task": (["--eval.tasks", "hellaswag"], {},
-                              "eval.tasks: 'hellaswag' is neither a built-in task (stdlib_which"),
+        "eval_task_no_data": (["--eval.tasks", "hub_mc", "--eval.include_path", f["lm_eval_tasks"]], {},
+                              "eval.tasks: the data of lm-eval task 'hub_mc' is not on this machine"),
         "eval_bad_row": (["--eval.tasks", f["eval_bad_row.jsonl"]], {},
                          f"eval.tasks: {f['eval_bad_row.jsonl']} row 2: a choice task's row needs the keys context, "
                          "choices, gold"),
@@ -271,7 +276,7 @@ IN_PROCESS = ("steps_negative", "seq_len_zero", "batch_zero", "global_batch_zero
               "dp_shard_zero", "cli_float",
               "cli_missing_value", "checkpoint_on_save_error", "checkpoint_folder_absolute",
               "checkpoint_folder_escapes", "pp_schedule_unknown", "chat_train_on", "chat_without_document_mask",
-              "chat_byte_tokenizer", "eval_interval_zero", "eval_unknown_task")
+              "chat_byte_tokenizer", "eval_interval_zero")
 
 # Refused by the trainer's preflight, the launcher's second process (each a torch import,
 # about 6 CPU seconds): run through that process's main in this one.
@@ -281,7 +286,8 @@ PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_w
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
              "val_steps_above_split", "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
-             "chat_no_target", "eval_bad_row", "eval_gold_range", "eval_under_pp", "eval_generate_under_tp")
+             "chat_no_target", "eval_task_no_data", "eval_bad_row", "eval_gold_range", "eval_under_pp",
+             "eval_generate_under_tp")
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +305,7 @@ NAMED = _cases({k: k for k in ["typo_key.toml", "typo_section.toml", "wrong_type
                                "not_table.toml", "float_for_int.toml", "a_file.txt", "bad_tok", "empty.txt",
                                "blank.jsonl", "eps_inf.toml", "empty_dir", "chat_no_messages.jsonl",
                                "chat_unknown_role.jsonl", "chat_empty_assistant.jsonl", "chat_no_target.jsonl",
-                               "eval_bad_row.jsonl", "eval_gold.jsonl",
+                               "eval_bad_row.jsonl", "eval_gold.jsonl", "lm_eval_tasks",
                                "tok_no_template"]})
 ALL_IDS = list(NAMED)
 CASE_IDS = [k for k in ALL_IDS if k not in IN_PROCESS + PREFLIGHT]
@@ -331,7 +337,7 @@ GROUPS = {
     "chats (data.format chat)": ("chat_train_on", "chat_without_document_mask", "chat_byte_tokenizer",
                                  "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
                                  "chat_no_target"),
-    "[eval] tasks": ("eval_interval_zero", "eval_unknown_task", "eval_bad_row", "eval_gold_range", "eval_under_pp",
+    "[eval] tasks": ("eval_interval_zero", "eval_task_no_data", "eval_bad_row", "eval_gold_range", "eval_under_pp",
                      "eval_generate_under_tp"),
     "found by reading files before launch": ("load_step_missing", "initial_load_not_checkpoint", "data_empty_file",
                                              "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",

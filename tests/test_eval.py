@@ -43,10 +43,22 @@ def test_only_the_eval_command_imports_lm_eval():
     root = pathlib.Path(titanlite.__file__).parent
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                    if re.search(r"^\s*(import lm_eval|from lm_eval)", p.read_text(), re.M))
-    assert users == ["eval/__main__.py", "eval/harness.py"]  # the model class, and the command inside run()
+    # the model class, the command inside run(), and the loop's lm-eval task names
+    assert users == ["eval/__main__.py", "eval/harness.py", "eval/lmtasks.py"]
+    # ... which training imports only inside load_tasks, where eval.tasks names an lm-eval task
+    lazy = {str(p.relative_to(root)): re.findall(r"^(\s*)(?:from titanlite.eval.lmtasks|import titanlite.eval.lmtasks)",
+                                                 p.read_text(), re.M) for p in root.rglob("*.py")}
+    assert {k: v for k, v in lazy.items() if v} == {"eval/score.py": [" " * 12]}
 
 
-def test_task_rows_refused(tmp_path):
+def test_task_rows_refused(tmp_path, monkeypatch):
+    from titanlite.config.eval import Eval, check_eval
+
+    with monkeypatch.context() as m:  # an lm-eval task name where lm-eval is not installed
+        m.setattr("importlib.util.find_spec", lambda name: None)
+        with pytest.raises(ConfigError, match="'hellaswag' is neither a built-in task .* lm-eval .* is not installed; "
+                                              "pip install"):
+            check_eval(Eval(tasks=["hellaswag"]))
     cases = [('{"context": "a", "choices": ["b", "c"], "gold": 2}', "row 1: gold 2 is not an index of its 2 choices"),
              ('{"text": "a"}\n{"txt": "b"}', "row 2: a bpb task's row needs the keys text"),
              ('{"prompt": "a", "answer": "b"}\nnot json', "row 2 is not JSON"),
@@ -120,6 +132,8 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
                                              for i in (1, 3, 7)))
     (tasks / "tl_mc.yaml").write_text(MC_YAML.format(data=tasks / "mc.jsonl"))
     (tasks / "tl_ppl.yaml").write_text(ROLLING_YAML.format(data=tasks / "ppl.jsonl"))
+    (tasks / "tl_gen.yaml").write_text(MC_YAML.replace("tl_mc", "tl_gen").replace(
+        "multiple_choice", "generate_until").format(data=tasks / "mc.jsonl"))
     # a task whose data set is on the hub only
     (tasks / "tl_hub.yaml").write_text(ROLLING_YAML.replace("tl_ppl", "tl_hub").replace(
         "dataset_path: json", "dataset_path: someone/not_here").format(data="unused"))
@@ -132,6 +146,23 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
 
     ours = run(parse([str(tmp_path / "step-1"), "--tasks", "tl_mc,tl_ppl", "--include_path", str(tasks),
                       "--tokenizer", str(tmp_path / "hf"), "--batch_size", "3"]), manager)
+    # the same tasks named in eval.tasks, scored by the training loop's evaluator (one process, the
+    # model's context as training.seq_len): lm-eval's metrics, equal to the command's
+    from titanlite.config.eval import Eval
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.eval import lmtasks
+    from titanlite.eval.score import Evaluator, load_tasks
+    from titanlite.loss import token_logprobs
+
+    monkeypatch.setattr(lmtasks, "_manager", lambda include_path, defaults: manager)
+    monkeypatch.setattr("titanlite.eval.score.dist.all_reduce", lambda *a, **k: None)
+    ev = Evaluator(Eval(tasks=["tl_mc", "tl_ppl"], include_path=str(tasks), limit=0, batch_size=3),
+                   build_tokenizer(str(tmp_path / "hf")), 64, 0, 1, None)
+    loop = ev([model], lambda b: b, lambda b: token_logprobs(model(b["input_ids"]), b["labels"]), torch.device("cpu"))
+    for name, message in [("no_such_task", "'no_such_task' is not a built-in task, a .jsonl task file or an lm-eval"),
+                          ("tl_gen", "lm-eval task 'tl_gen' is a generate_until task, which the training loop")]:
+        with pytest.raises(ConfigError, match=message):
+            load_tasks(Eval(tasks=[name]))
     worst = 0.0
     for task in ("tl_mc", "tl_ppl"):
         a, b = theirs["samples"][task], ours["samples"][task]
@@ -144,17 +175,34 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
         for metric, value in theirs["results"][task].items():
             if isinstance(value, float) and "stderr" not in metric:
                 assert ours["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+                assert loop[f"eval/{task}/{metric.removesuffix(',none')}"] == pytest.approx(value, rel=1e-5), metric
         for metric in ("acc,none", "acc_norm,none") if task == "tl_mc" else ():
-            assert ours["results"][task][metric] == theirs["results"][task][metric]
+            assert ours["results"][task][metric] == theirs["results"][task][metric] == loop[f"eval/{task}/{metric[:-5]}"]
     # generate_until: greedy up to a stop string, as transformers generates
     from lm_eval.api.instance import Instance
 
     from titanlite.eval.harness import TitanliteLM
 
+    prompts = ["def f(x):\n    return", "Question 3: what is"]
     asks = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}), i)
-            for i, p in enumerate(["def f(x):\n    return", "Question 3: what is"])]
-    texts = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf")).generate_until(asks)
-    assert texts == hf.generate_until(asks) and any(texts)
+            for i, p in enumerate(prompts)]
+    tl = TitanliteLM(str(tmp_path / "step-1"), tokenizer=str(tmp_path / "hf"))
+    texts = tl.generate_until(asks)
+    assert texts == hf.generate_until(asks) and all(texts)
+    # loglikelihood's greedy flag, as hf gives it: true for a context's own greedy next character
+    # (random weights mostly pick bytes that are not text: contexts whose pick is a printable one)
+    from titanlite.layers.attention import AttnContext
+
+    nexts = [(c, int(tl.model(torch.tensor([tl.tokenizer.encode(c)]), AttnContext())[0, -1].argmax()))
+             for c in (f"Question {i}:" for i in range(30))]
+    greedy = [(c, chr(t)) for c, t in nexts if 32 <= t < 127][:2]
+    asks = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(
+        [*greedy, (prompts[0], " x"), ("", "def"), (greedy[0][0], greedy[0][1] + "\u2603")])]
+    mine, hfs = tl.loglikelihood(asks), hf.loglikelihood(asks)
+    assert [g for _, g in mine] == [g for _, g in hfs] == [True] * len(greedy) + [False] * 3
+    # (a greedy character's log-likelihood is near 0: within 1e-5 absolute, about the float32
+    # resolution of these logits, which reach the tens)
+    assert [ll for ll, _ in mine] == pytest.approx([ll for ll, _ in hfs], rel=1e-5, abs=1e-5)
     print(f"worst relative log-likelihood difference {worst:.2e}; hf {theirs['results']}; titanlite {ours['results']}")
     with pytest.raises(ConfigError, match="no_such_task: not an lm-eval task here"):
         run(parse([str(tmp_path / "step-1"), "--tasks", "no_such_task"]), manager)
@@ -231,9 +279,11 @@ def test_the_dry_run_reports_an_evaluation_s_peak(tmp_path, capsys, monkeypatch)
     """[eval] on: the dry run traces one forward-only evaluation batch (eval.batch_size x seq_len,
     no_grad, after zero_grad) beside the step. On the debug model it holds less than the training
     step's peak, and at least the weights, the optimizer state and the batch's float32 logits
-    (B x T x vocab 512 x 4 bytes), more with more rows. Llama 3 8B's default 8 x 8,192 rows on 8
-    H100s (whole logits, 15.7 GiB each in float32) is refused in one line, by the dry run and by
-    run_train.sh's preflight."""
+    (B x T x vocab 512 x 4 bytes), more with more rows. Llama 3 8B on 8 GPUs: its log-probabilities
+    taken in chunks as the training loss's, 8 x 8,192 rows hold 30.6 GiB (the bf16 logits, 15.7
+    GiB, and one chunk's float32; 91.9 GiB when the whole batch's float32 log-softmax was held at
+    once), refused in one line by run_train.sh's preflight on a 24 GiB device; 36 rows (88.9 GiB)
+    are refused by the dry run on H100s."""
     from titanlite.config import load
     from titanlite.dryrun import run
     from titanlite.dryrun.run import main
@@ -251,13 +301,13 @@ def test_the_dry_run_reports_an_evaluation_s_peak(tmp_path, capsys, monkeypatch)
     assert (sixteen["eval_peak_gib"] - eight["eval_peak_gib"]) * gib >= logits
     assert "evaluation ([eval], 8 x 256 tokens, forward only): peak" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["--config", "llama_8b.toml", "--ngpu", "8", "--eval.tasks", "stdlib_which"])
+        main(["--config", "llama_8b.toml", "--ngpu", "8", "--eval.tasks", "stdlib_which", "--eval.batch_size", "36"])
     err = capsys.readouterr().err
-    assert re.fullmatch(r"titanlite: error: an evaluation's per-rank peak \d+\.\d GiB \(eval.batch_size 8 x "
+    assert re.fullmatch(r"titanlite: error: an evaluation's per-rank peak \d+\.\d GiB \(eval.batch_size 36 x "
                         r"training.seq_len 8192\) exceeds the h100's 79.6 GiB; use a smaller eval.batch_size\n", err)
-    monkeypatch.setattr(run, "device_limit_gib", lambda local_ranks: (79.6, "an H100's"))
+    monkeypatch.setattr(run, "device_limit_gib", lambda local_ranks: (24.0, "a 24 GiB device's"))
     cfg, _ = load.load(["--config", "llama_8b.toml", "--eval.tasks", "stdlib_which", "--training.device", "cuda"])
-    with pytest.raises(ConfigError, match=r"^an evaluation's estimated per-rank peak \d+\.\d\d GiB \(eval.batch_size 8 "
-                       r"x training.seq_len 8192\) exceeds 79.60 GiB \(an H100's\) by more than 10%; use a smaller "
-                       r"eval.batch_size"):
+    with pytest.raises(ConfigError, match=r"^an evaluation's estimated per-rank peak 30\.\d\d GiB \(eval.batch_size 8 "
+                       r"x training.seq_len 8192\) exceeds 24.00 GiB \(a 24 GiB device's\) by more than 10%; use a "
+                       r"smaller eval.batch_size"):
         run.check_memory(cfg, 8, 8, 8_030_261_248)

@@ -19,7 +19,7 @@ import titanlite.models.llama3 as llama3
 from titanlite.config.job import ActivationCheckpoint, Compile, Optimizer
 from titanlite.parallel.mesh import ParallelDims
 from titanlite import loss
-from titanlite.loss import Z_LOSS, ExtraLosses, build_loss_fn, cross_entropy_sum, loss_context
+from titanlite.loss import Z_LOSS, ExtraLosses, build_loss_fn, cross_entropy_sum, loss_context, token_logprobs
 from titanlite.layers import init
 from titanlite.config.job import LRScheduler
 from titanlite.optim import build_optimizers
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 def _chunks_equal_the_whole(logits: DTensor) -> None:
     """Under loss parallel the loss in chunks of 10 tokens (each rank: 256 of the 512 logits per
-    token) is the whole loss: the same sum, the same logits gradient."""
+    token) is the whole loss: the same sum, the same logits gradient; token_logprobs the same."""
     labels = torch.randint(0, ARGS.vocab_size, logits.shape[:2], generator=torch.Generator().manual_seed(2))
     results = []
     for chunk_bytes in (1 << 28, 4 * 256 * 10):
@@ -77,6 +77,17 @@ def _chunks_equal_the_whole(logits: DTensor) -> None:
     loss.CHUNK_BYTES = 1 << 28
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
+    # each token's log-probability (evaluation, preference, RL) too: in chunks, to the bit
+    results = []
+    for chunk_bytes in (1 << 28, 4 * 256 * 10):
+        loss.CHUNK_BYTES = chunk_bytes
+        x = logits.clone().requires_grad_()
+        lp = token_logprobs(x, labels)
+        (lp * torch.arange(lp.numel()).view(lp.shape)).sum().backward()
+        results.append((lp.detach(), x.grad.to_local()))
+    loss.CHUNK_BYTES = 1 << 28
+    assert results[0][0].shape == labels.shape
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
 
 
 def _z_loss_matches_dense(logits: DTensor) -> None:

@@ -76,10 +76,24 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     a plain tensor with its autograd graph. What evaluation, preference and RL losses sum: the
     negated per-token cross-entropy, so it equals the training loss's terms to the bit. Under loss
     parallel (vocab-sharded DTensor logits) call it inside loss_context(True); every
-    tensor-parallel rank gets the same values without gathering the vocabulary."""
-    lp = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
-                          ignore_index=IGNORE_INDEX)
-    return _plain(lp).view(labels.shape)
+    tensor-parallel rank gets the same values without gathering the vocabulary.
+
+    In chunks of tokens as the training loss (`chunked`): at most CHUNK_BYTES of float32 logits
+    and log-softmax at a time, not the whole batch's (31 GiB for Llama 3's vocabulary at 8 x
+    8,192 tokens); under autograd each chunk is recomputed in backward instead of kept."""
+    flat, targets = logits.flatten(0, 1), labels.flatten()
+    vocab = (flat.to_local() if isinstance(flat, DTensor) else flat).shape[-1]
+    rows = max(1, CHUNK_BYTES // (4 * vocab))
+    if rows >= len(targets):
+        return _token_logprobs(flat, targets).view(labels.shape)
+    keep = torch.is_grad_enabled() and flat.requires_grad
+    parts = [checkpoint(_token_logprobs, x, y, use_reentrant=False) if keep else _token_logprobs(x, y)
+             for x, y in zip(flat.split(rows), targets.split(rows))]
+    return torch.cat(parts).view(labels.shape)
+
+
+def _token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return _plain(-F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE_INDEX))
 
 
 def segment_sums(values: torch.Tensor, segments: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ titanlite.eval.tasks."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,10 @@ function's `def` line (exact match)."""
 class Eval:
     tasks: list[str] = field(default_factory=list)
     """Tasks scored in the training loop: built-in names (stdlib_which, stdlib_def, stdlib_doc_bpb,
-    stdlib_signature) or .jsonl files (one task each, named by the file's stem); empty: off."""
+    stdlib_signature), .jsonl files (one task each, named by the file's stem) or, with lm-eval
+    installed, lm-eval task names whose data is on this machine; empty: off."""
+    include_path: str = ""
+    """A folder of lm-eval task YAML files, whose task names eval.tasks may then give."""
     interval: int = 100
     """Score the tasks every N steps and after the last step."""
     limit: int = 100
@@ -39,6 +43,8 @@ def check_eval(e: Eval) -> None:
             raise ConfigError(f"{key} must be >= 1, got {val}")
     if e.limit < 0:
         raise ConfigError(f"eval.limit must be >= 0 (0: every example), got {e.limit}")
+    if e.include_path and not Path(e.include_path).is_dir():
+        raise ConfigError(f"eval.include_path '{e.include_path}' is not a folder (of lm-eval task YAML files)")
     seen = set()
     for task in e.tasks:
         if task in BUILTIN_TASKS:
@@ -47,9 +53,12 @@ def check_eval(e: Eval) -> None:
             if not Path(task).is_file():
                 raise ConfigError(f"eval.tasks: task file '{task}' does not exist")
             name = Path(task).stem
-        else:
+        elif importlib.util.find_spec("lm_eval") is None:  # not imported: training never imports lm-eval
             raise ConfigError(f"eval.tasks: '{task}' is neither a built-in task ({', '.join(BUILTIN_TASKS)}) "
-                              "nor a .jsonl task file")
+                              "nor a .jsonl task file, and lm-eval (for lm-eval task names) is not installed; "
+                              "pip install -e '.[eval]' or drop it")
+        else:  # an lm-eval task: its name and data are checked before launch (titanlite.eval.lmtasks)
+            name = task
         if name in seen:
             raise ConfigError(f"eval.tasks: two tasks are named '{name}'; rename one file")
         seen.add(name)

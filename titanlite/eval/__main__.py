@@ -23,7 +23,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="byte, byte_chat or a folder (default: the folder's own, else byte)")
     p.add_argument("--include_path", default="", help="a folder of task YAML files (local tasks)")
     p.add_argument("--limit", type=int, default=0, help="examples per task; 0: all")
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8,
+                   help="requests per forward (those of one context share its forward)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="", help="write lm-eval's results JSON here (default: print it)")
     return p.parse_args(argv)
@@ -65,13 +66,19 @@ def run(args: argparse.Namespace, manager: Any = None) -> dict:
     model = TitanliteLM(args.path, args.format, args.tokenizer, batch_size=args.batch_size, device=args.device)
     try:
         return lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=args.limit or None)
-    except Exception as e:  # datasets' offline refusals have no common class
-        if "offline" in str(e).lower() or "connect" in str(e).lower() or type(e).__name__ in (
-                "DatasetNotFoundError", "FileNotFoundError", "OfflineModeIsEnabled"):
+    except Exception as e:
+        if no_local_data(e):
             raise ConfigError(f"--tasks: a task's data is not on this machine ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); point its dataset_path/data_files at local "
                               "files, or put the data set in the Hugging Face cache") from None
         raise
+
+
+def no_local_data(e: Exception) -> bool:
+    """Whether loading an lm-eval task failed for want of its data set offline (datasets' offline
+    refusals have no common class)."""
+    return "offline" in str(e).lower() or "connect" in str(e).lower() or type(e).__name__ in (
+        "DatasetNotFoundError", "FileNotFoundError", "OfflineModeIsEnabled")
 
 
 def main(argv: list[str] | None = None) -> None:

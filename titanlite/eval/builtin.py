@@ -44,7 +44,9 @@ def which(functions: list[StdlibFunction]) -> Task:
 def def_line(functions: list[StdlibFunction]) -> Task:
     """Which is the function's `def` line: the real one or one of 3 with the characters between its
     parentheses shuffled (the same characters, so the same length and letters: only their order,
-    which a model learns early, tells them apart)."""
+    which a model learns early, tells them apart). Local byte statistics solve it (a byte-bigram
+    count of the standard library picks the real line 99.5% of the time): its rise shows that a
+    model learned them, nothing about the functions (docs/evaluation.md)."""
     rows = []
     for f in _sample([f for f in functions if f.line]):
         name, params = f.line.split("(", 1)

@@ -61,6 +61,19 @@ def rolling(ids: list[int], prefix: int, seq_len: int, example: int) -> list[Req
     return out
 
 
+def lm_eval_continuations(pairs: Sequence[tuple[str, str]], encode: Callable[[str], list[int]], bos: int,
+                          seq_len: int) -> list[Request]:
+    """lm-eval's `loglikelihood` requests (context, continuation) as its `hf` model asks them: the
+    tokenizer's BOS (else EOS) before an empty context only. Both the lm-eval model class and
+    lm-eval task names in eval.tasks build theirs here, so their scores agree."""
+    return [continuation(encode, ctx, cont, [] if ctx else [bos], seq_len, i) for i, (ctx, cont) in enumerate(pairs)]
+
+
+def lm_eval_rolling(texts: Sequence[str], encode: Callable[[str], list[int]], bos: int, seq_len: int) -> list[Request]:
+    """lm-eval's `loglikelihood_rolling` requests of `texts`: each text's windows, `example` its index."""
+    return [w for i, text in enumerate(texts) for w in rolling(encode(text), bos, seq_len, i)]
+
+
 def task_requests(task: Task, encode: Callable[[str], list[int]], prefix: int, seq_len: int) -> list[Request]:
     """The requests of a choice or bpb task, in example order (a choice's by choice)."""
     if task.kind == "choice":

@@ -40,8 +40,11 @@ def load_tasks(cfg: Eval) -> list[Task]:
         if name in BUILTIN_TASKS:
             task = builtin.make(name)
             out.append(Task(task.name, task.kind, task.rows[:cfg.limit or None]))
-        else:
+        elif name.endswith(".jsonl"):
             out.append(read_task(name, cfg.limit))
+        else:  # an lm-eval task: lm-eval is imported here, only where one is named
+            from titanlite.eval.lmtasks import lm_eval_task
+            out.append(lm_eval_task(name, cfg.include_path))
     return out
 
 
@@ -82,7 +85,7 @@ class Evaluator:
         self.tasks = load_tasks(self.cfg)
         eos = self.tokenizer.eos_id
         self.requests = {t.name: task_requests(t, self.tokenizer.encode, eos, self.seq_len)
-                         for t in self.tasks if t.kind != "exact"}
+                         for t in self.tasks if t.kind in ("choice", "bpb")}
 
     def due(self, step: int, last_step: int) -> bool:
         return bool(self.tasks) and (step % self.cfg.interval == 0 or step == last_step)
@@ -133,6 +136,10 @@ class Evaluator:
             for task in self.tasks:
                 if task.kind == "exact":
                     out[f"eval/{task.name}/exact_match"] = self.exact_match(task, parts[0], device)
+                    continue
+                if task.kind == "lm_eval":  # titanlite.eval.lmtasks: lm-eval's requests and metrics
+                    out.update(task.metrics(self.tokenizer, self.seq_len, self.cfg.limit,
+                                            lambda asked: self.log_likelihoods(asked, prepare, logprobs, device)))
                     continue
                 lls = self.log_likelihoods(self.requests[task.name], prepare, logprobs, device).tolist()
                 out.update({f"eval/{task.name}/{k}": v for k, v in task_metrics(task, lls).items()})

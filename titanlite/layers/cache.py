@@ -97,6 +97,17 @@ class Cache:
         """[B, n] RoPE positions of this forward's tokens: 0 at each row's first real token (pads 0)."""
         return (self.new_index(n)[None] - self.start[:, None]).clamp(min=0)
 
+    def select(self, rows: torch.Tensor) -> Cache:
+        """A cache of the given rows of this one ([R] row indices, repeats allowed), at the same
+        length: several continuations of one prompt each read its past from here on (scoring a
+        multiple-choice question's choices after one forward of its context)."""
+        out = Cache(self.start[rows], self.capacity)
+        out.length = self.length
+        out._slots = {k: {name: t.index_select(0, rows) for name, t in d.items()} for k, d in self._slots.items()}
+        out._index = {k: t.clone() for k, t in self._index.items()}
+        out._states = {k: {name: t.index_select(0, rows) for name, t in d.items()} for k, d in self._states.items()}
+        return out
+
     def state(self, owner: object) -> dict[str, torch.Tensor]:
         """`owner`'s fixed-size state, which it reads and replaces (empty at first)."""
         return self._states.setdefault(id(owner), {})
