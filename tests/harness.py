@@ -256,6 +256,9 @@ def reference(args: list[str], env: dict[str, str] | None = None) -> Run:
 BUILTIN_EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval", "5", "--eval.limit", "5",
                 "--eval.batch_size", "3"]
 """[eval] on the built-in tasks: 20 multiple-choice requests and 5 texts, scored after steps 5 and 10."""
+BUILTIN_EXACT = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb,stdlib_signature", *BUILTIN_EVAL[2:],
+                 "--eval.max_new_tokens", "8"]
+"""BUILTIN_EVAL and 5 exact-match prompts, 8 tokens generated for each."""
 
 
 def eval_rows(run: Run) -> list[dict]:
