@@ -1,7 +1,7 @@
 """Pipeline parallelism reproduces a single-process run on the same global batch: every
 schedule at pp 2, more stages than ranks, pp 4, and pp composed with FSDP, TP, CP, AC and
 gradient accumulation (also growing, a batch warm-up), and with the z-loss, for Llama 3 and Qwen 3. The validation loss, computed forward-only
-through the pipeline on the last stage, matches too."""
+through the pipeline on the last stage, matches too, and so do the [eval] tasks' metrics."""
 
 import pytest
 import torch

@@ -48,9 +48,11 @@ def load_tasks(cfg: Eval) -> list[Task]:
     return out
 
 
-def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, sequence_parallel: bool) -> None:
+def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int,
+                 sequence_parallel: bool) -> None:
     """What the loop cannot score, refused before launch: exact match generates one token at a time
-    on the training model, which pipeline stages and sequence parallel cannot run."""
+    on the training model, which pipeline stages, sequence parallel and MoE blocks under tensor
+    parallel (each tp rank routes its own share of the sequence) cannot run."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
@@ -62,6 +64,10 @@ def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, s
         raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which sequence "
                           "parallel cannot split over the tensor-parallel ranks; set parallelism.sequence_parallel "
                           "= false or drop it from eval.tasks")
+    if exact and tp > 1 and ep > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which MoE "
+                          "blocks under tensor parallel cannot split (each tensor-parallel rank routes its own "
+                          "share of the sequence); drop it from eval.tasks or score it with python -m titanlite.eval")
 
 
 def _batches(n: int, rank: int, degree: int, size: int) -> list[list[int]]:
