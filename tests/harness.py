@@ -258,6 +258,23 @@ BUILTIN_EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval"
 """[eval] on the built-in tasks: 20 multiple-choice requests and 5 texts, scored after steps 5 and 10."""
 
 
+def blank_task() -> str:
+    """An exact-match task file of 7 prompts whose answer is an empty first line: a prompt matches
+    when its greedy generation's first line is blank. A model of 5 or 10 debug steps matches some
+    and not others (built-in answers, whole signatures, it matches none), so a layout that
+    generates other tokens or counts a prompt twice shows in exact_match."""
+    prompts = [[f"def f{i}(x):\n    return x\n", f"import os\nx = f{i}(", f"    y = {i} +", f"class A{i}:\n"][i % 4]
+               for i in range(7)]
+    path = Path(tempfile.mkdtemp(prefix="titanlite-eval-")) / "blank.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
+    return str(path)
+
+
+BUILTIN_EXACT = ["--eval.tasks", f"stdlib_which,stdlib_doc_bpb,{blank_task()}", *BUILTIN_EVAL[2:],
+                 "--eval.max_new_tokens", "8"]
+"""BUILTIN_EVAL and blank_task's first 5 prompts, 8 tokens generated for each."""
+
+
 def eval_rows(run: Run) -> list[dict]:
     """Each evaluation's metrics (eval/<task>/<metric>), its time left out."""
     return [{k: v for k, v in row.items() if k.startswith("eval/") and k != "eval/seconds"}

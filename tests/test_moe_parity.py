@@ -7,7 +7,7 @@ parallel runs each pipeline micro-batch as one such micro-batch: its reference a
 gradients over the same rows (a layout with one data-parallel rank, so the rows match)."""
 
 import pytest
-from harness import BUILTIN_EVAL, TINY, assert_eval_parity, assert_grad_parity, assert_parity, reference, train
+from harness import BUILTIN_EVAL, BUILTIN_EXACT, TINY, assert_eval_parity, assert_grad_parity, assert_parity, reference, train
 
 MOE = [*TINY, "--model.name", "qwen3_moe", "--training.global_batch_size", "8"]
 BALANCE = ["--moe.aux_loss_coeff", "0.01", "--moe.bias_update_rate", "0.001"]
@@ -34,13 +34,14 @@ def test_expert_parallel_matches_single_process(layout):
     """Balancing on in every layout: the router biases move after each step and the
     auxiliary loss is part of the loss, so both must come out the same."""
     nproc, extra, *ref_rows = LAYOUTS[layout]
-    # the [eval] tasks scored with experts split (pipeline parallel cannot score them yet)
-    tasks = BUILTIN_EVAL if layout in ("ep2xdp2", "ep2xtp2") else []
+    # the [eval] tasks scored with experts split; exact match generated where no sequence
+    # parallel splits the tokens (pipeline parallel: scored in tests/test_parity_pp.py)
+    tasks = {"ep2xdp2": BUILTIN_EXACT, "ep4_op_ac": BUILTIN_EXACT, "ep2xtp2": BUILTIN_EVAL}.get(layout, [])
     ref = reference([*MOE, *BALANCE, "--training.local_batch_size", str(ref_rows[0] if ref_rows else 8), *tasks])
     run = train(nproc, [*MOE, *BALANCE, *extra, *tasks])
     assert_parity(ref.losses, run.losses)
     if tasks:
-        assert assert_eval_parity(ref, run) == 2 * 4
+        assert assert_eval_parity(ref, run) == 2 * (4 + (tasks is BUILTIN_EXACT))
     for key in ("grad_norm", "moe_aux_loss", "moe_router_bias_norm"):
         assert_parity([r[key] for r in ref.metrics], [r[key] for r in run.metrics], 1e-5, 1e-3)
     for key in ("moe_load_max_over_mean_worst", "moe_load_max_over_mean_avg"):

@@ -1,13 +1,13 @@
 """FSDP2 and gradient accumulation reproduce a single-process run on the same global batch."""
 
 import pytest
-from harness import TINY, assert_eval_parity, assert_parity, reference, train
+from harness import TINY, assert_eval_parity, assert_parity, blank_task, reference, train
 
 GLOBAL8 = [*TINY, "--training.global_batch_size", "8"]
-EXACT = ["--eval.tasks", "stdlib_which,stdlib_signature", "--eval.interval", "10", "--eval.limit", "5",
+EXACT = ["--eval.tasks", f"stdlib_which,stdlib_signature,{blank_task()}", "--eval.interval", "10", "--eval.limit", "5",
          "--eval.max_new_tokens", "8"]
-"""Scored at the last step: 20 multiple-choice requests, and 5 prompts generated (3 on rank 0 of 2,
-2 on rank 0 of 4: uneven)."""
+"""Scored at the last step: 20 multiple-choice requests, and 5 prompts of each exact-match task
+generated (3 on rank 0 of 2, 2 on rank 0 of 4: uneven)."""
 
 
 @pytest.mark.parametrize("nproc,local", [(2, 4), (4, 2)])
@@ -15,7 +15,7 @@ def test_fsdp_matches_single_process(nproc, local):
     ref = reference([*GLOBAL8, "--training.local_batch_size", "8", *EXACT])
     run = train(nproc, [*GLOBAL8, "--training.local_batch_size", str(local), *EXACT])
     assert_parity(ref.losses, run.losses)
-    assert assert_eval_parity(ref, run) == 4
+    assert assert_eval_parity(ref, run) == 5
     assert_parity([r["grad_norm"] for r in ref.metrics], [r["grad_norm"] for r in run.metrics], 1e-5, 1e-3)
 
 

@@ -1,11 +1,11 @@
 """Pipeline parallelism reproduces a single-process run on the same global batch: every
 schedule at pp 2, more stages than ranks, pp 4, and pp composed with FSDP, TP, CP, AC and
 gradient accumulation (also growing, a batch warm-up), and with the z-loss, for Llama 3 and Qwen 3. The validation loss, computed forward-only
-through the pipeline on the last stage, matches too."""
+through the pipeline on the last stage, matches too, and so do the [eval] tasks' metrics."""
 
 import pytest
 import torch
-from harness import TINY, assert_grad_parity, assert_parity, reference, train
+from harness import TINY, assert_eval_parity, assert_grad_parity, assert_parity, reference, train
 
 from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
@@ -15,6 +15,12 @@ from titanlite.preflight import make_plan
 # global batch 8; validation after steps 5 and 10 on one global batch of a held-out tail
 BASE = [*TINY, "--training.global_batch_size", "8", "--data.holdout_fraction", "0.01",
         "--validation.freq", "5", "--validation.steps", "1"]
+# [eval] tasks scored through the stages (forward only, the last stage's sums all-reduced) in two
+# layouts: 12 multiple-choice requests and 3 texts (uneven over 2 data-parallel ranks); each
+# eval batch of 3 runs as pieces of the stages' local batch (2, 8), the last one filled
+EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval", "5", "--eval.limit", "3",
+        "--eval.batch_size", "3"]
+REF = [*BASE, "--training.local_batch_size", "8", *EVAL]
 
 
 def pp(degree: int, schedule: str, microbatch: int, local: int) -> list[str]:
@@ -40,8 +46,7 @@ CP_SCHEDULE, QWEN3_SCHEDULE, COMPILED_SCHEDULE = "GPipe", "DualPipeV", "ZBVZeroB
 @pytest.mark.parametrize("schedule", ALONE)
 def test_pp2_schedule_alone(schedule):
     # 4 micro-batches; the multi-stage schedules put two stages of one block each on a rank
-    ref = reference([*BASE, "--training.local_batch_size", "8"])
-    assert_matches(ref, train(2, [*BASE, *pp(2, schedule, 2, 8)]))
+    assert_matches(reference(REF), train(2, [*BASE, *pp(2, schedule, 2, 8)]))
 
 
 def test_pp2_compiled_blocks_with_split_backward():
@@ -55,8 +60,7 @@ def test_pp2_compiled_blocks_with_split_backward():
         with pytest.raises(ConfigError, match=f"pipeline_parallel_schedule {COMPILED_SCHEDULE} with compile.enable"):
             make_plan(cfg, 2)
         return
-    ref = reference([*BASE, "--training.local_batch_size", "8"])
-    assert_parity(ref.losses, train(2, compiled).losses)
+    assert_parity(reference(REF).losses, train(2, compiled).losses)
 
 
 def test_every_schedule_runs_at_pp2_in_this_file():
@@ -69,8 +73,9 @@ LAYOUTS = {
     "pp4": (4, pp(4, "1F1B", 2, 8)),  # one block per stage
     # FSDP + gradient accumulation (2 micro-batches of 2) + full AC, two stages per rank
     "pp2-dp2-interleaved-ac": (4, [*pp(2, "Interleaved1F1B", 1, 2), "--parallelism.data_parallel_shard_degree", "2",
-                                   "--activation_checkpoint.mode", "full"]),
-    "pp2-tp2": (4, [*pp(2, "1F1B", 2, 8), "--parallelism.tensor_parallel_degree", "2"]),  # loss and sequence parallel
+                                   "--activation_checkpoint.mode", "full", *EVAL]),
+    # loss and sequence parallel
+    "pp2-tp2": (4, [*pp(2, "1F1B", 2, 8), "--parallelism.tensor_parallel_degree", "2", *EVAL]),
     "pp2-dp2-tp2": (8, [*pp(2, "ZBVZeroBubble", 2, 4), "--parallelism.data_parallel_shard_degree", "2",
                         "--parallelism.tensor_parallel_degree", "2"]),
 }
@@ -79,8 +84,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pp_layouts(layout):
     nproc, extra = LAYOUTS[layout]
-    ref = reference([*BASE, "--training.local_batch_size", "8"])
-    assert_matches(ref, train(nproc, [*BASE, *extra]))
+    ref, run = reference(REF), train(nproc, [*BASE, *extra])
+    assert_matches(ref, run)
+    if "--eval.tasks" in extra:
+        assert assert_eval_parity(ref, run) == 2 * 4
 
 
 def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():

@@ -5,10 +5,13 @@ rank i mod dp), one request per sequence of training.seq_len tokens, eval.batch_
 forward; every rank runs the same number of forwards (a short rank's last batch is padding), as
 FSDP's collectives need. Each request's log-likelihood is the sum of its target tokens'
 titanlite.loss.token_logprobs (the training loss's terms) by titanlite.loss.segment_sums, in
-float64, on this rank's share of the sequence (context parallel); one all-reduce over the loss
-group (dp x cp; tensor-parallel ranks hold the same sums) gives every rank every request's
-value, so the metrics are those of one process on any layout. Exact-match prompts go through
-titanlite.generate.generate, split the same way, each rank running max_new_tokens decode steps.
+float64, on this rank's share of the sequence (context parallel), on the last pipeline stage
+(the others hold zeros); one all-reduce over the loss group (pp x dp x cp; tensor-parallel ranks
+hold the same sums) gives every rank every request's value, so the metrics are those of one
+process on any layout. Exact-match prompts go through titanlite.generate.generate on the
+training model (its logits gathered whole under loss parallel), split the same way, each rank
+running max_new_tokens decode steps; context-parallel ranks generate the same prompts on the
+whole sequence.
 Nothing here draws from the training RNG or reads the training data.
 """
 
@@ -29,7 +32,7 @@ from titanlite.errors import ConfigError
 from titanlite.eval.requests import Request, first_line, task_requests, task_metrics
 from titanlite.eval import builtin
 from titanlite.eval.tasks import Task, read_task
-from titanlite.generate import generate
+from titanlite.generate import FullLogits, generate
 from titanlite.loss import segment_sums
 
 
@@ -48,19 +51,26 @@ def load_tasks(cfg: Eval) -> list[Task]:
     return out
 
 
-def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, cp: int, ep: int) -> None:
-    """What the first version cannot score, refused before launch."""
+def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int,
+                 sequence_parallel: bool) -> None:
+    """What the loop cannot score, refused before launch: exact match generates one token at a time
+    on the training model, which pipeline stages, sequence parallel and MoE blocks under tensor
+    parallel (each tp rank routes its own share of the sequence) cannot run."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
-    if cfg.tasks and pp > 1:
-        raise ConfigError("eval.tasks: scoring under pipeline parallel is not supported yet; drop [eval] tasks "
-                          "for this run and score its checkpoints with python -m titanlite.eval")
     exact = [t.name for t in tasks if t.kind == "exact"]
-    if exact and max(tp, cp, ep) > 1:
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates, which the loop supports under "
-                          "data parallel (FSDP) only, not tensor, context or expert parallel; drop it from "
-                          "eval.tasks or score it with python -m titanlite.eval")
+    if exact and pp > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which pipeline "
+                          "stages do not run; drop it from eval.tasks or score it with python -m titanlite.eval")
+    if exact and tp > 1 and sequence_parallel:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which sequence "
+                          "parallel cannot split over the tensor-parallel ranks; set parallelism.sequence_parallel "
+                          "= false or drop it from eval.tasks")
+    if exact and tp > 1 and ep > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which MoE "
+                          "blocks under tensor parallel cannot split (each tensor-parallel rank routes its own "
+                          "share of the sequence); drop it from eval.tasks or score it with python -m titanlite.eval")
 
 
 def _batches(n: int, rank: int, degree: int, size: int) -> list[list[int]]:
@@ -119,10 +129,11 @@ class Evaluator:
         for idx in _batches(len(task.rows), self.dp_rank, self.dp_degree, self.cfg.batch_size):
             # prompts cut to leave room for every step: each rank runs exactly `steps` forwards
             prompts = [([tok.eos_id] + tok.encode(task.rows[i]["prompt"]))[-(self.seq_len - steps):] for i in idx]
-            gens = generate(model, prompts or [[tok.eos_id]], max_new_tokens=steps, context=self.seq_len)
+            gens = generate(FullLogits(model), prompts or [[tok.eos_id]], max_new_tokens=steps, context=self.seq_len)
             for i, g in zip(idx, gens):
                 hits[i] = float(first_line(tok.decode(g.ids)) == task.rows[i]["answer"].strip())
-        dist.all_reduce(hits, group=self.group)
+        # max, not sum: context-parallel ranks generate the same prompts, each on the whole sequence
+        dist.all_reduce(hits, dist.ReduceOp.MAX, group=self.group)
         return hits.mean().item()
 
     def __call__(self, parts: list[nn.Module], prepare: Callable[[dict], dict],

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from titanlite.layers.attention import AttnContext
 from titanlite.layers.cache import Cache
@@ -62,6 +63,19 @@ class Generation:
     model's context is full)."""
     logits: torch.Tensor | None = None
     """[len(ids), vocab] float32 logits each token was picked from (with keep_logits)."""
+
+
+class FullLogits(nn.Module):
+    """A training model for generation (RL's rollouts, in-loop evaluation): its logits whole
+    where loss parallel leaves them vocab-sharded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
+        out = self.model(tokens, ctx)
+        return out.full_tensor() if isinstance(out, DTensor) else out
 
 
 def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -31,7 +31,8 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti, Pipel
 from titanlite.layers.attention import AttnSetup
 from titanlite.config.job import CHOICES, Parallelism
 from titanlite.errors import ConfigError
-from titanlite.loss import ExtraLosses, LossFn, loss_context
+from titanlite.data.packing import IGNORE_INDEX
+from titanlite.loss import ExtraLosses, LossFn, loss_context, token_logprobs
 from titanlite.model_spec import Elsewhere, ModelSpec
 from titanlite.parallel.apply import ParallelizeOptions
 from titanlite.parallel.mesh import Meshes, ParallelDims
@@ -340,6 +341,31 @@ class PipelineStep:
             if logits is None:
                 return torch.zeros((), device=batch["labels"].device)
             return self.loss_fn(logits, batch["labels"])
+
+    def eval_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Each label's log-probability (titanlite.loss.token_logprobs) of a prepared batch, forward
+        only through the stages, on the last stage's ranks; zeros on the others, whose sums the
+        in-loop evaluation's all-reduce over the pipeline ranks (titanlite.eval.score) adds to
+        the last stage's. The stages take training.local_batch_size rows (static shapes): the
+        batch runs in pieces of that many, the last one filled with row 0 and no labels."""
+        labels = batch["labels"]
+        rows, size = labels.shape[0], self.plan.n_microbatches * self.shapes.tokens[0]
+        out = torch.zeros(labels.shape, device=labels.device)
+        for start in range(0, rows, size):
+            n = min(size, rows - start)
+            piece = {k: _rows(v, start, n, size, k == "labels") if v.shape[0] == rows else v for k, v in batch.items()}
+            args, kwargs = self._inputs(piece)
+            with loss_context(self.opts.loss_parallel), self.autocast:
+                logits = forward_only(self.stages, self.plan.n_microbatches, args, kwargs)
+                if logits is not None:
+                    out[start:start + n] = token_logprobs(logits, piece["labels"])[:n]
+        return out
+
+
+def _rows(x: torch.Tensor, start: int, n: int, size: int, labels: bool) -> torch.Tensor:
+    """Rows start .. start + n of x, then row 0 again up to `size` rows (labels: none scored)."""
+    fill = x[:1].expand(size - n, *x.shape[1:])
+    return torch.cat([x[start:start + n], torch.full_like(fill, IGNORE_INDEX) if labels else fill])
 
 
 class _Scale(torch.autograd.Function):

@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from titanlite.config.rl import RL
 from titanlite.errors import ConfigError
-from titanlite.generate import context_length, generate
+from titanlite.generate import FullLogits, context_length, generate
 from titanlite.loss import IGNORE_INDEX
 from titanlite.rl.loss import group_advantages, token_scale
 from titanlite.rl.prompts import Prompts, batch_prompts
@@ -44,18 +42,6 @@ def sample_seed(seed: int, batch: int, prompt: int, sample: int) -> int:
     """The seed of one completion: a 32-bit hash of (seed, rollout batch, prompt index, sample)."""
     digest = hashlib.blake2b(f"{seed},{batch},{prompt},{sample}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
-
-
-class FullLogits(nn.Module):
-    """The model for generation: its logits whole where loss parallel leaves them vocab-sharded."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor, ctx) -> torch.Tensor:
-        out = self.model(tokens, ctx)
-        return out.full_tensor() if isinstance(out, DTensor) else out
 
 
 @dataclass
