@@ -117,6 +117,8 @@ RL = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.st
       "--training.global_batch_size", "8", "--lora.rank", "4", "--lora.target_modules", "wq,wv,w2",
       "--rl.kl_coef", "0.05", "--rl.updates_per_batch", "2", "--rl.clip_eps_high", "0.28",
       "--rl.loss_norm", "sequence", "--optimizer.lr", "3e-2"]
+FULL = [*RL[:RL.index("--lora.rank")], *RL[RL.index("--rl.kl_coef"):-1], "3e-3"]
+"""The same run, every weight trained: the KL's reference is a frozen copy of the start."""
 
 
 def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
@@ -124,15 +126,17 @@ def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
 
 
 def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
-    """One gloo launch of tests/rl_layouts.py: GRPO with LoRA (KL to the adapters-off reference,
-    2 updates per batch of rollouts, DAPO's clip-higher) on FSDP 2 (saving every 2 steps), FSDP 2
-    resumed from step 4 and TP 2, against one process: the rewards exactly, the losses, KL and
-    gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0: policy = reference); the resumed
-    run regenerates the straight run's completions and logs its losses bitwise."""
+    """One gloo launch of tests/rl_layouts.py: GRPO (KL 0.05 to a reference, 2 updates per batch of
+    rollouts, DAPO's clip-higher) with LoRA (the reference: adapters off) on TP 2, and fully
+    fine-tuned (the reference: a frozen copy of the start, FSDP-sharded and checkpointed) on FSDP 2
+    (saving every 2 steps) and FSDP 2 resumed from step 4, each against one process: the rewards
+    exactly, the losses, KL and gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0:
+    policy = reference); the resumed run regenerates the straight run's completions, and its
+    frozen reference is the straight run's, not the weights it resumes: its losses are bitwise."""
     from harness import REPO, spawn_ranks
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
-    runs = {"fsdp2": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
-            "resumed": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
+    runs = {"fsdp2": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
+            "resumed": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
                         "--checkpoint.load_step", "4"],
             "tp2": [*RL, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.sequence_parallel", "false"]}
@@ -145,9 +149,10 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
         assert all(c in (0, -6) for c in codes) and out.count("run ") >= nproc * len(named), (codes, out[-4000:])
         return out
 
-    dumps["one"] = tmp_path / "one"
-    dumps["bad"] = tmp_path / "bad"
+    for name in ("one", "one_full", "bad"):
+        dumps[name] = tmp_path / name
     out = launch(1, {"one": [*RL, "--training.local_batch_size", "8"],
+                     "one_full": [*FULL, "--training.local_batch_size", "8"],
                      "bad": [*RL, "--training.local_batch_size", "8", "--rl.reward", "__main__:not_a_number"]})
     assert re.findall(r"titanlite: error: .*", out) == [
         "titanlite: error: rl.reward __main__:not_a_number returned a non-number (or not finite) for prompt 2732 "
@@ -158,11 +163,12 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
         got = [json.loads(x) for x in (dumps[name] / "metrics.jsonl").read_text().splitlines()]
         return [r for r in got if "loss" in r and (run is None or r["run"] == run)]
 
-    ref = rows("one")
-    assert len(ref) == 6 and ref[0]["rl/kl"] == 0 and ref[-1]["rl/kl"] > 0 and ref[-1]["rl/clip_fraction"] > 0
-    assert len({r["rl/reward_mean"] for r in ref}) > 1 and all(r["rl/reward_std"] > 0 for r in ref)
-    for name, run in (("fsdp2", "straight"), ("tp2", None)):
-        got = rows(name, run)
+    for one in ("one", "one_full"):
+        ref = rows(one)
+        assert len(ref) == 6 and ref[0]["rl/kl"] == 0 and ref[-1]["rl/kl"] > 0 and ref[-1]["rl/clip_fraction"] > 0
+        assert len({r["rl/reward_mean"] for r in ref}) > 1 and all(r["rl/reward_std"] > 0 for r in ref)
+    for one, name, run in (("one_full", "fsdp2", "straight"), ("one", "tp2", None)):
+        ref, got = rows(one), rows(name, run)
         assert [r["rl/reward_mean"] for r in got] == [r["rl/reward_mean"] for r in ref], name
         assert [r["rl/reward_std"] for r in got] == [r["rl/reward_std"] for r in ref], name
         for k, (a, b) in enumerate(zip(ref, got)):
@@ -180,7 +186,6 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
 
 BAD = {  # the arguments, and the start of the one line each gets before launch
     "group_size": (["--rl.group_size", "1"], "rl.group_size must be >= 2"),
-    "kl_full": (["--rl.kl_coef", "0.1"], "rl.kl_coef 0.1 needs a reference model: train LoRA (lora.rank > 0"),
     "not_importable": (["--rl.reward", "no_such_module:f"], "rl.reward: cannot import module 'no_such_module'"),
     "no_function": (["--rl.reward", "titanlite.rl.rewards:nothing"], "rl.reward: module 'titanlite.rl.rewards' has no"),
     "not_callable": (["--rl.reward", "titanlite.rl.rewards:_NUMBER"], "rl.reward: 'titanlite.rl.rewards:_NUMBER' is a"),
@@ -210,7 +215,7 @@ def test_bad_rl_input_is_one_line_before_launch(tmp_path):
     for name, (args, line) in BAD.items():
         with pytest.raises(ConfigError) as e:
             cfg, _ = config_load.load([*base, *args])
-            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "kl_full", "preference_data", "lora_dropout") or "reward" in args[0] or "prompt" in name else 2))
+            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "preference_data", "lora_dropout") or "reward" in args[0] or "prompt" in name else 2))
         assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
 
 

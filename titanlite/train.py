@@ -283,6 +283,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                               schedule=plan.schedule)
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
+    rl_reference = rl.reference_of(cfg, parts[0], ckpt.optional) if cfg.rl.enable else None  # so too
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -305,7 +306,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     loss_fn = preference.build_objective(cfg, opts.loss_parallel, meshes.cp.get_group() if dims.cp > 1 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.faulty_loss(loss_fn), ft, reference)
     train_step, rollouts = (rl.build(cfg, plan.tokenizer, train_step, meshes, plan.global_batch_size, device, lambda n:
-                                     logged(n, cfg.metrics.log_freq, t.steps)) if cfg.rl.enable else (train_step, None))
+                                     logged(n, cfg.metrics.log_freq, t.steps), rl_reference)
+                            if cfg.rl.enable else (train_step, None))
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes),
              *([rollouts.hook] if rollouts else [])]
     # after build_step, which may make the last process groups

@@ -4,12 +4,17 @@ step; train.py's loop is unchanged. docs/post_training.md."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn as nn
 
 from titanlite.config.job import JobConfig
 from titanlite.errors import ConfigError
+from titanlite.layers.lora import adapters_off
+from titanlite.preference import FrozenCopy
 from titanlite.preflight import Plan
 from titanlite.rl.loss import PolicyLoss
 from titanlite.rl.prompts import load_prompts, stop_ids
@@ -55,11 +60,27 @@ def checked(cfg: JobConfig, plan: Plan) -> Plan:
     return plan
 
 
+def reference_of(cfg: JobConfig, model: nn.Module, optional: dict[str, Any]
+                 ) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """What turns the policy into rl.kl_coef's reference for a forward, or None (no KL term): with
+    LoRA the model with its adapters off; a full fine-tune a frozen copy of its starting weights
+    (titanlite.preference.FrozenCopy, sharded as the policy), registered in `optional` to be
+    checkpointed. Called before a resume, which restores the copy."""
+    if not cfg.rl.kl_coef:
+        return None
+    if cfg.lora.rank:
+        return lambda: adapters_off(model)
+    optional["reference"] = copy = FrozenCopy([model])
+    return copy.swapped_in
+
+
 def build(cfg: JobConfig, tokenizer, step: PlainStep, meshes, gbs: int, device: torch.device,
-          due: Callable[[int], bool]) -> tuple[RLStep, Rollouts]:
-    """The RL step (the plain step's loss swapped) and the rollouts that feed it."""
+          due: Callable[[int], bool], reference: Callable[[], contextlib.AbstractContextManager] | None
+          ) -> tuple[RLStep, Rollouts]:
+    """The RL step (the plain step's loss swapped) and the rollouts that feed it; `reference`:
+    reference_of's."""
     r, t = cfg.rl, cfg.training
-    rl_step = RLStep.of(step, PolicyLoss(r.clip_eps, r.clip_high, r.kl_coef, r.temperature))
+    rl_step = RLStep.of(step, PolicyLoss(r.clip_eps, r.clip_high, r.kl_coef, r.temperature), reference)
     prompts = load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
     rollouts = Rollouts(r, prompts, tokenizer.decode, stop_ids(tokenizer), load_reward(r.reward), rl_step,
                         t.seed, t.seq_len, gbs, t.local_batch_size, meshes.dp.get_local_rank(),

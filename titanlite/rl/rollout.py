@@ -156,11 +156,13 @@ class Rollouts:
                         for (i, _, text), r in zip(rows[:SAMPLES_LOGGED], mine_rewards)]
         micro = [self._micro_batch(rows[k:k + self.local_batch], adv[k:k + self.local_batch],
                                    scale[k:k + self.local_batch]) for k in range(0, len(rows), self.local_batch)]
-        for b in micro:  # what the loss compares against, taken before any update of this batch
-            if self.r.kl_coef:
-                b["ref_logp"] = self.step.logprobs(b, reference=True)
-            if self.r.updates_per_batch > 1:
-                b["old_logp"] = self.step.logprobs(b, reference=False)
+        # what the loss compares against, taken before any update of this batch
+        if self.r.kl_coef:
+            for b, logp in zip(micro, self.step.logprobs(micro, reference=True)):
+                b["ref_logp"] = logp
+        if self.r.updates_per_batch > 1:
+            for b, logp in zip(micro, self.step.logprobs(micro, reference=False)):
+                b["old_logp"] = logp
         return micro
 
     def _micro_batch(self, rows: list[tuple[int, list[int], str]], adv: torch.Tensor, scale: torch.Tensor) -> Batch:
