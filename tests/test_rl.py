@@ -301,3 +301,26 @@ def test_the_dry_run_times_a_grpo_step_as_rollout_plus_update(tmp_path, capsys):
         main([*GRPO_8B, "--training.global_batch_size", "72", "--training.local_batch_size", "9"])
     assert capsys.readouterr().err == ("titanlite: error: training.global_batch_size 72 must be rl.group_size 8 x a "
                                        "multiple of the data-parallel degree 8 (each rank generates whole groups)\n")
+
+
+def test_rollouts_generate_in_the_steps_mixed_precision(monkeypatch):
+    """Without FSDP (TP only, one device) the step's autocast gives the mixed precision: the rollouts
+    are generated under it too, not in float32 (a rollout's dtype would otherwise depend on the
+    layout, FSDP's casting its weights for generation as for training)."""
+    import dataclasses
+    from titanlite.config.rl import RL as RLConfig
+    from titanlite.model_spec import get_model_spec
+    from titanlite.rl import rollout
+    from titanlite.rl.prompts import Prompts
+    spec = get_model_spec("llama3")
+    model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=64))
+    model.init_weights(0)
+    dtypes = []
+    model.output.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    step = SimpleNamespace(model=model, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
+    monkeypatch.setattr(rollout.dist, "get_world_size", lambda: 1)
+    r = RLConfig(enable=True, group_size=2, max_new_tokens=3)
+    rolls = rollout.Rollouts(r, Prompts([{}], ["x"], [[5, 6, 7]]), lambda ids: "", [], None, step, 0, 64, 2, 2, 0, 1,
+                             None, torch.device("cpu"), "", lambda n: False)
+    assert [len(ids) for _, ids, _ in rolls._generate(0, [0])] == [3, 3]
+    assert dtypes == [torch.bfloat16] * 3

@@ -110,10 +110,11 @@ class Rollouts:
         model = FullLogits(self.step.model)
         context = context_length(self.step.model)
         for i in indices:
-            gens = generate(model, [self.prompts.ids[i]] * g, self.r.max_new_tokens, temperature=self.r.temperature,
-                            seed=[sample_seed(self.seed, batch, i, s) for s in range(g)], eos_ids=self.eos_ids,
-                            decode=self.decode, context=context,
-                            everyone=self._everyone if dist.get_world_size() > 1 else None)
+            with self.step.autocast:  # the training's mixed precision where FSDP does not cast (TP, one device)
+                gens = generate(model, [self.prompts.ids[i]] * g, self.r.max_new_tokens, temperature=self.r.temperature,
+                                seed=[sample_seed(self.seed, batch, i, s) for s in range(g)], eos_ids=self.eos_ids,
+                                decode=self.decode, context=context,
+                                everyone=self._everyone if dist.get_world_size() > 1 else None)
             out += [(i, gen.ids, gen.text or "") for gen in gens]
         return out
 
