@@ -127,7 +127,8 @@ def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
 
 def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
     """One gloo launch of tests/rl_layouts.py: GRPO (KL 0.05 to a reference, 2 updates per batch of
-    rollouts, DAPO's clip-higher) with LoRA (the reference: adapters off) on TP 2, and fully
+    rollouts, DAPO's clip-higher) with LoRA (the reference: adapters off; the prompts: a chat
+    source's rows, data.format = "chat", no training data read) on TP 2, and fully
     fine-tuned (the reference: a frozen copy of the start, FSDP-sharded and checkpointed) on FSDP 2
     (saving every 2 steps) and FSDP 2 resumed from step 4, each against one process: the rewards
     exactly, the losses, KL and gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0:
@@ -135,10 +136,15 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
     frozen reference is the straight run's, not the weights it resumes: its losses are bitwise."""
     from harness import REPO, spawn_ranks
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    chats = tmp_path / "chats.jsonl"  # the LoRA runs' prompts: a chat source's rows ending in a user turn
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a} + {b} ="}], "answer": a + b})
+                             + "\n" for a in range(3) for b in range(3)))
+    chat = ["--data.format", "chat", "--data.path", str(chats), "--data.document_mask", "true", "--data.tokenizer",
+            "byte_chat"]
     runs = {"fsdp2": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
             "resumed": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
                         "--checkpoint.load_step", "4"],
-            "tp2": [*RL, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+            "tp2": [*RL, *chat, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.sequence_parallel", "false"]}
     dumps = {name: tmp_path / ("fsdp2" if name == "resumed" else name) for name in runs}
     script = str(REPO / "tests" / "rl_layouts.py")
@@ -151,7 +157,7 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
 
     for name in ("one", "one_full", "bad"):
         dumps[name] = tmp_path / name
-    out = launch(1, {"one": [*RL, "--training.local_batch_size", "8"],
+    out = launch(1, {"one": [*RL, *chat, "--training.local_batch_size", "8"],
                      "one_full": [*FULL, "--training.local_batch_size", "8"],
                      "bad": [*RL, "--training.local_batch_size", "8", "--rl.reward", "__main__:not_a_number"]})
     assert re.findall(r"titanlite: error: .*", out) == [
@@ -175,6 +181,8 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
             tol = 1e-6 if k == 0 else 1e-4
             for key in ("loss", "grad_norm", "rl/kl", "rl/entropy"):
                 assert _close(a[key], b[key], tol), (name, k + 1, key, a[key], b[key])
+    asked = [json.loads(x) for x in (dumps["one"] / "rollouts.jsonl").read_text().splitlines()]
+    assert {(s["prompt"], s["answer"]) for s in asked} <= {(f"{a} + {b} =", a + b) for a in range(3) for b in range(3)}
     straight, resumed = rows("fsdp2", "straight"), rows("fsdp2", "resumed")
     assert [r["step"] for r in resumed] == [5, 6]
     pairs = [(r["loss"], r["rl/reward_mean"]) for r in resumed]
@@ -244,7 +252,8 @@ def test_a_rank_that_finished_feeds_on_without_changing_its_completions():
 def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     """A "prompt" row and a "messages" row render through the chat template with the generation
     prompt; a completion stops at the template's end of turn; a chat ending in an assistant turn
-    is refused in one line."""
+    is refused in one line, from rl.prompts or from a chat source (data.path's rows)."""
+    import dataclasses
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.errors import ConfigError
     from titanlite.rl.prompts import load_prompts, stop_ids
@@ -260,6 +269,19 @@ def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assis"):
         load_prompts(str(bad), tok, 0, 100)
+    # a chat source (data.format = "chat", rl.prompts empty): its rows, their "answer" where they have one
+    from titanlite.config.data import Data
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(good.read_text().splitlines()[0] + '\n{"messages": [{"role": "user", "content": "3 + 3 ="}]}\n')
+    source = Data(format="chat", path=str(chats), messages_field="messages", document_mask=True, tokenizer="byte_chat")
+    p = load_prompts("", tok, 0, 100, source)
+    assert p.texts == ["2 + 2 =", "3 + 3 ="] and p.rows[0] == {"messages": [{"role": "system", "content": "Be brief."},
+                                                                             {"role": "user", "content": "2 + 2 ="}],
+                                                                "answer": "4"} and "answer" not in p.rows[1]
+    for path, line in ((bad, r"^data.path: .*bad.jsonl line 1: the chat.s last message has role assistant; a prompt"),
+                       ("", r"^data.path: rl.enable with data.format = \"chat\" takes .* the built-in chat set has")):
+        with pytest.raises(ConfigError, match=line):
+            load_prompts("", tok, 0, 100, dataclasses.replace(source, path=str(path)))
 
 
 GRPO_8B = ["--config", "llama_8b.toml", "--ngpu", "8", "--rl.enable", "true", "--rl.group_size", "8",

@@ -278,9 +278,10 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         part.train()
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype, plan.schedule.lr_scale)
     dp_rank = meshes.dp.get_local_rank()
-    loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
-                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
-                              schedule=plan.schedule)
+    loader = (rl.idle_loader(t.seq_len, plan.global_batch_size, t.local_batch_size, dp_rank, dims.dp) if cfg.rl.enable
+              else build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+                                    local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
+                                    schedule=plan.schedule))
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
     rl_reference = rl.reference_of(cfg, parts[0], ckpt.optional) if cfg.rl.enable else None  # so too
