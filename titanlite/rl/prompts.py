@@ -6,7 +6,6 @@ each rollout batch takes, in an order fixed by the seed."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 from titanlite.config.data import Data
 from titanlite.data.chat import check_messages
-from titanlite.data.sources import iter_records
+from titanlite.data.sources import iter_records, jsonl_rows
 from titanlite.errors import ConfigError
 from titanlite.rl.task import arithmetic_rows
 
@@ -36,13 +35,7 @@ def _read_rows(path: str) -> list[dict]:
         raise ConfigError(f"rl.prompts: '{path}' is not a .jsonl file; give one row per prompt with \"prompt\" "
                           "(or \"messages\") and \"answer\", or leave it empty for the built-in arithmetic task")
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"rl.prompts: {path} line {n} is not JSON ({e.msg}); fix or drop it") from None
+    for n, row in jsonl_rows(p, "rl.prompts"):
         if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
             raise ConfigError(f"rl.prompts: {path} line {n} has no \"prompt\" or \"messages\"; each row needs one")
         rows.append(row)

@@ -1,10 +1,14 @@
 """The built-in verifiable task (rl.prompts empty): small-integer arithmetic, made offline from a
-seed. A prompt asks for a + b or a - b (operands in [0, 5)) whose result is a digit in [0, 5): 30
-distinct questions. Each row first draws its answer uniformly, then one of the questions with that
-answer, so that no answer is commoner than another: a policy that ignores the question and always
-gives one digit earns 0.2, and a mean reward above that means the model reads the question. A
-model that has never seen arithmetic hits the answer sometimes by chance, so GRPO has a signal
-from the first steps. titanlite.rl.rewards:exact_answer checks it."""
+seed. A prompt asks for a + b or a - b whose operands and result are in [0, ANSWERS). Each row
+first draws its answer uniformly, then one of the questions with that answer, so that no answer is
+commoner than another: a policy that ignores the question and always gives one digit earns
+1 / ANSWERS, and a mean reward above that means the model reads the question.
+
+ANSWERS is 2 (six questions: 0 + 0, 0 + 1, 1 + 0, 0 - 0, 1 - 0, 1 - 1) because GRPO learns only
+what it samples: the debug walk-through's model, trained on Python source and chats, puts 4-6% of
+its first token after "3 + 1 =" on "0" and 2% on "1", but 0.1-0.3% on each of "2" to "4", so
+groups of 8 completions almost never hold a right answer above 1 and get no advantage to learn
+from (docs/post_training.md). titanlite.rl.rewards:exact_answer checks it."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import random
 
 TASK_SIZE = 4096
 """Prompts in the built-in set (enough that a debug run does not see one twice often)."""
-ANSWERS = 5
+ANSWERS = 2
 """Results (and operands) are in [0, ANSWERS)."""
 
 
@@ -29,7 +33,7 @@ def questions() -> dict[int, list[str]]:
 
 
 def arithmetic_rows(n: int = TASK_SIZE, seed: int = 0) -> list[dict]:
-    """n rows {"prompt": "3 + 1 =", "answer": "4"}, each answer equally likely."""
+    """n rows {"prompt": "1 - 0 =", "answer": "1"}, each answer equally likely."""
     rng, by_answer = random.Random(seed), questions()
     rows = []
     for _ in range(n):
