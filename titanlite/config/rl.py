@@ -25,7 +25,8 @@ class RL:
     prompts: str = ""
     """A .jsonl of prompts: each row a "prompt" (text, sent as a user turn where the tokenizer has a
     chat template) or "messages" (a chat ending in a user turn), and an "answer" the reward may
-    read. Empty: the built-in arithmetic task (titanlite.rl.task)."""
+    read. Empty: with data.format = "chat", data.path's rows (chats ending in a user turn, with their
+    "answer" field); else the built-in arithmetic task (titanlite.rl.task)."""
     group_size: int = 4
     """Completions sampled per prompt (>= 2: advantages compare them)."""
     temperature: float = 1.0
