@@ -326,7 +326,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     stop_line, verdict = None, guard.verdict
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
-    epoch = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    # streamed sources do not know their length; a GRPO run's idle loader has no epochs to count
+    epoch = None if rollouts else getattr(loader.dataset, "epoch", None)
     epoch_of = None if epoch is None else lambda n: epoch(loader.batch_sampler.first_sample(n))
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
                   window is not None, logged_terms(plan.spec.extra_losses, plan.spec.tp_replicated_losses, t.z_loss,
