@@ -64,7 +64,7 @@ def jsonl_rows(path: Path, key: str = "data.path") -> Iterator[tuple[int, object
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{key}: {path} line {lineno}: invalid JSON ({e})") from None
+                raise ConfigError(f"{key}: {path} line {lineno}: invalid JSON ({e}); fix or drop the line") from None
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
