@@ -117,6 +117,8 @@ RL = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.st
       "--training.global_batch_size", "8", "--lora.rank", "4", "--lora.target_modules", "wq,wv,w2",
       "--rl.kl_coef", "0.05", "--rl.updates_per_batch", "2", "--rl.clip_eps_high", "0.28",
       "--rl.loss_norm", "sequence", "--optimizer.lr", "3e-2"]
+FULL = [*RL[:RL.index("--lora.rank")], *RL[RL.index("--rl.kl_coef"):-1], "3e-3"]
+"""The same run, every weight trained: the KL's reference is a frozen copy of the start."""
 
 
 def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
@@ -124,17 +126,25 @@ def _close(a: float, b: float, rtol: float, atol: float = 1e-7) -> bool:
 
 
 def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
-    """One gloo launch of tests/rl_layouts.py: GRPO with LoRA (KL to the adapters-off reference,
-    2 updates per batch of rollouts, DAPO's clip-higher) on FSDP 2 (saving every 2 steps), FSDP 2
-    resumed from step 4 and TP 2, against one process: the rewards exactly, the losses, KL and
-    gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0: policy = reference); the resumed
-    run regenerates the straight run's completions and logs its losses bitwise."""
+    """One gloo launch of tests/rl_layouts.py: GRPO (KL 0.05 to a reference, 2 updates per batch of
+    rollouts, DAPO's clip-higher) with LoRA (the reference: adapters off; the prompts: a chat
+    source's rows, data.format = "chat", no training data read) on TP 2, and fully
+    fine-tuned (the reference: a frozen copy of the start, FSDP-sharded and checkpointed) on FSDP 2
+    (saving every 2 steps) and FSDP 2 resumed from step 4, each against one process: the rewards
+    exactly, the losses, KL and gradient norms within 1e-4 (1e-6 at step 1, where the KL is 0:
+    policy = reference); the resumed run regenerates the straight run's completions, and its
+    frozen reference is the straight run's, not the weights it resumes: its losses are bitwise."""
     from harness import REPO, spawn_ranks
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
-    runs = {"fsdp2": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
-            "resumed": [*RL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
+    chats = tmp_path / "chats.jsonl"  # the LoRA runs' prompts: a chat source's rows ending in a user turn
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a} + {b} ="}], "answer": a + b})
+                             + "\n" for a in range(3) for b in range(3)))
+    chat = ["--data.format", "chat", "--data.path", str(chats), "--data.document_mask", "true", "--data.tokenizer",
+            "byte_chat"]
+    runs = {"fsdp2": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
+            "resumed": [*FULL, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
                         "--checkpoint.load_step", "4"],
-            "tp2": [*RL, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+            "tp2": [*RL, *chat, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.sequence_parallel", "false"]}
     dumps = {name: tmp_path / ("fsdp2" if name == "resumed" else name) for name in runs}
     script = str(REPO / "tests" / "rl_layouts.py")
@@ -145,9 +155,10 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
         assert all(c in (0, -6) for c in codes) and out.count("run ") >= nproc * len(named), (codes, out[-4000:])
         return out
 
-    dumps["one"] = tmp_path / "one"
-    dumps["bad"] = tmp_path / "bad"
-    out = launch(1, {"one": [*RL, "--training.local_batch_size", "8"],
+    for name in ("one", "one_full", "bad"):
+        dumps[name] = tmp_path / name
+    out = launch(1, {"one": [*RL, *chat, "--training.local_batch_size", "8"],
+                     "one_full": [*FULL, "--training.local_batch_size", "8"],
                      "bad": [*RL, "--training.local_batch_size", "8", "--rl.reward", "__main__:not_a_number"]})
     assert re.findall(r"titanlite: error: .*", out) == [
         "titanlite: error: rl.reward __main__:not_a_number returned a non-number (or not finite) for prompt 2732 "
@@ -158,17 +169,20 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
         got = [json.loads(x) for x in (dumps[name] / "metrics.jsonl").read_text().splitlines()]
         return [r for r in got if "loss" in r and (run is None or r["run"] == run)]
 
-    ref = rows("one")
-    assert len(ref) == 6 and ref[0]["rl/kl"] == 0 and ref[-1]["rl/kl"] > 0 and ref[-1]["rl/clip_fraction"] > 0
-    assert len({r["rl/reward_mean"] for r in ref}) > 1 and all(r["rl/reward_std"] > 0 for r in ref)
-    for name, run in (("fsdp2", "straight"), ("tp2", None)):
-        got = rows(name, run)
+    for one in ("one", "one_full"):
+        ref = rows(one)
+        assert len(ref) == 6 and ref[0]["rl/kl"] == 0 and ref[-1]["rl/kl"] > 0 and ref[-1]["rl/clip_fraction"] > 0
+        assert len({r["rl/reward_mean"] for r in ref}) > 1 and all(r["rl/reward_std"] > 0 for r in ref)
+    for one, name, run in (("one_full", "fsdp2", "straight"), ("one", "tp2", None)):
+        ref, got = rows(one), rows(name, run)
         assert [r["rl/reward_mean"] for r in got] == [r["rl/reward_mean"] for r in ref], name
         assert [r["rl/reward_std"] for r in got] == [r["rl/reward_std"] for r in ref], name
         for k, (a, b) in enumerate(zip(ref, got)):
             tol = 1e-6 if k == 0 else 1e-4
             for key in ("loss", "grad_norm", "rl/kl", "rl/entropy"):
                 assert _close(a[key], b[key], tol), (name, k + 1, key, a[key], b[key])
+    asked = [json.loads(x) for x in (dumps["one"] / "rollouts.jsonl").read_text().splitlines()]
+    assert {(s["prompt"], s["answer"]) for s in asked} <= {(f"{a} + {b} =", a + b) for a in range(3) for b in range(3)}
     straight, resumed = rows("fsdp2", "straight"), rows("fsdp2", "resumed")
     assert [r["step"] for r in resumed] == [5, 6]
     pairs = [(r["loss"], r["rl/reward_mean"]) for r in resumed]
@@ -180,7 +194,6 @@ def test_grpo_layouts_equal_one_process_and_resume_regenerates(tmp_path):
 
 BAD = {  # the arguments, and the start of the one line each gets before launch
     "group_size": (["--rl.group_size", "1"], "rl.group_size must be >= 2"),
-    "kl_full": (["--rl.kl_coef", "0.1"], "rl.kl_coef 0.1 needs a reference model: train LoRA (lora.rank > 0"),
     "not_importable": (["--rl.reward", "no_such_module:f"], "rl.reward: cannot import module 'no_such_module'"),
     "no_function": (["--rl.reward", "titanlite.rl.rewards:nothing"], "rl.reward: module 'titanlite.rl.rewards' has no"),
     "not_callable": (["--rl.reward", "titanlite.rl.rewards:_NUMBER"], "rl.reward: 'titanlite.rl.rewards:_NUMBER' is a"),
@@ -210,7 +223,7 @@ def test_bad_rl_input_is_one_line_before_launch(tmp_path):
     for name, (args, line) in BAD.items():
         with pytest.raises(ConfigError) as e:
             cfg, _ = config_load.load([*base, *args])
-            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "kl_full", "preference_data", "lora_dropout") or "reward" in args[0] or "prompt" in name else 2))
+            rl.checked(cfg, preflight(cfg, 1 if name in ("group_size", "preference_data", "lora_dropout") or "reward" in args[0] or "prompt" in name else 2))
         assert str(e.value).startswith(line) and "\n" not in str(e.value), (name, str(e.value))
 
 
@@ -239,7 +252,8 @@ def test_a_rank_that_finished_feeds_on_without_changing_its_completions():
 def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     """A "prompt" row and a "messages" row render through the chat template with the generation
     prompt; a completion stops at the template's end of turn; a chat ending in an assistant turn
-    is refused in one line."""
+    is refused in one line, from rl.prompts or from a chat source (data.path's rows)."""
+    import dataclasses
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.errors import ConfigError
     from titanlite.rl.prompts import load_prompts, stop_ids
@@ -255,6 +269,19 @@ def test_prompts_are_user_turns_and_a_chat_must_end_in_one(tmp_path):
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     with pytest.raises(ConfigError, match=r"^rl.prompts: .*bad.jsonl row 1: the chat.s last message has role assis"):
         load_prompts(str(bad), tok, 0, 100)
+    # a chat source (data.format = "chat", rl.prompts empty): its rows, their "answer" where they have one
+    from titanlite.config.data import Data
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(good.read_text().splitlines()[0] + '\n{"messages": [{"role": "user", "content": "3 + 3 ="}]}\n')
+    source = Data(format="chat", path=str(chats), messages_field="messages", document_mask=True, tokenizer="byte_chat")
+    p = load_prompts("", tok, 0, 100, source)
+    assert p.texts == ["2 + 2 =", "3 + 3 ="] and p.rows[0] == {"messages": [{"role": "system", "content": "Be brief."},
+                                                                             {"role": "user", "content": "2 + 2 ="}],
+                                                                "answer": "4"} and "answer" not in p.rows[1]
+    for path, line in ((bad, r"^data.path: .*bad.jsonl line 1: the chat.s last message has role assistant; a prompt"),
+                       ("", r"^data.path: rl.enable with data.format = \"chat\" takes .* the built-in chat set has")):
+        with pytest.raises(ConfigError, match=line):
+            load_prompts("", tok, 0, 100, dataclasses.replace(source, path=str(path)))
 
 
 GRPO_8B = ["--config", "llama_8b.toml", "--ngpu", "8", "--rl.enable", "true", "--rl.group_size", "8",
@@ -296,3 +323,26 @@ def test_the_dry_run_times_a_grpo_step_as_rollout_plus_update(tmp_path, capsys):
         main([*GRPO_8B, "--training.global_batch_size", "72", "--training.local_batch_size", "9"])
     assert capsys.readouterr().err == ("titanlite: error: training.global_batch_size 72 must be rl.group_size 8 x a "
                                        "multiple of the data-parallel degree 8 (each rank generates whole groups)\n")
+
+
+def test_rollouts_generate_in_the_steps_mixed_precision(monkeypatch):
+    """Without FSDP (TP only, one device) the step's autocast gives the mixed precision: the rollouts
+    are generated under it too, not in float32 (a rollout's dtype would otherwise depend on the
+    layout, FSDP's casting its weights for generation as for training)."""
+    import dataclasses
+    from titanlite.config.rl import RL as RLConfig
+    from titanlite.model_spec import get_model_spec
+    from titanlite.rl import rollout
+    from titanlite.rl.prompts import Prompts
+    spec = get_model_spec("llama3")
+    model = spec.build(dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=64))
+    model.init_weights(0)
+    dtypes = []
+    model.output.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    step = SimpleNamespace(model=model, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
+    monkeypatch.setattr(rollout.dist, "get_world_size", lambda: 1)
+    r = RLConfig(enable=True, group_size=2, max_new_tokens=3)
+    rolls = rollout.Rollouts(r, Prompts([{}], ["x"], [[5, 6, 7]]), lambda ids: "", [], None, step, 0, 64, 2, 2, 0, 1,
+                             None, torch.device("cpu"), "", lambda n: False)
+    assert [len(ids) for _, ids, _ in rolls._generate(0, [0])] == [3, 3]
+    assert dtypes == [torch.bfloat16] * 3

@@ -62,10 +62,11 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
     """All checks that need no process group, so bad input fails fast on every rank: the plan,
     then the data (its sources, and enough of it for a batch and for validation)."""
     plan = make_plan(cfg, world_size)
-    probe_data(cfg.data, cfg.validation)
     t = cfg.training
-    preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
-                   t.local_batch_size, plan.dims.dp)
+    if not cfg.rl.enable:  # a GRPO run's data are its rollouts (its prompts: titanlite.rl.checked)
+        probe_data(cfg.data, cfg.validation)
+        preflight_data(cfg.data, cfg.validation, plan.tokenizer, t.seq_len, plan.global_batch_size,
+                       t.local_batch_size, plan.dims.dp)
     if cfg.fault_tolerance.enable:
         check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
     if cfg.eval.tasks:  # every task's rows read and checked here, before launch

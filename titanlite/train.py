@@ -278,11 +278,13 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         part.train()
     optimizers = build_optimizers(parts, cfg.optimizer, cfg.lr_scheduler, t.steps, dtype, plan.schedule.lr_scale)
     dp_rank = meshes.dp.get_local_rank()
-    loader = build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
-                              local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
-                              schedule=plan.schedule)
+    loader = (rl.idle_loader(t.seq_len, plan.global_batch_size, t.local_batch_size, dp_rank, dims.dp) if cfg.rl.enable
+              else build_dataloader(cfg.data, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+                                    local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
+                                    schedule=plan.schedule))
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
+    rl_reference = rl.reference_of(cfg, parts[0], ckpt.optional) if cfg.rl.enable else None  # so too
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -305,7 +307,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     loss_fn = preference.build_objective(cfg, opts.loss_parallel, meshes.cp.get_group() if dims.cp > 1 else None)
     train_step = build_step(cfg, plan, parts, meshes, opts, device, guard.faulty_loss(loss_fn), ft, reference)
     train_step, rollouts = (rl.build(cfg, plan.tokenizer, train_step, meshes, plan.global_batch_size, device, lambda n:
-                                     logged(n, cfg.metrics.log_freq, t.steps)) if cfg.rl.enable else (train_step, None))
+                                     logged(n, cfg.metrics.log_freq, t.steps), rl_reference)
+                            if cfg.rl.enable else (train_step, None))
     hooks = [*float8.post_step_hooks(cfg.float8, dims.fsdp, parts), *plan.spec.post_step_hooks(parts, meshes),
              *([rollouts.hook] if rollouts else [])]
     # after build_step, which may make the last process groups
@@ -323,7 +326,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     stop_line, verdict = None, guard.verdict
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
-    epoch = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
+    # streamed sources do not know their length; a GRPO run's idle loader has no epochs to count
+    epoch = None if rollouts else getattr(loader.dataset, "epoch", None)
     epoch_of = None if epoch is None else lambda n: epoch(loader.batch_sampler.first_sample(n))
     log = StepLog(metrics, throughput, stragglers, guard, plan, device, once, epoch_of, data_counts(loader.dataset),
                   window is not None, logged_terms(plan.spec.extra_losses, plan.spec.tp_replicated_losses, t.z_loss,

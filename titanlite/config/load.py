@@ -300,7 +300,7 @@ def check_config(cfg: JobConfig) -> None:
         raise ConfigError(f"checkpoint.load_step {c.load_step} is set but checkpoint.enable is false; "
                           "set checkpoint.enable = true to resume from it")
     _check_lora(cfg)
-    check_rl(cfg.rl, cfg.lora.rank, c.interval, cfg.validation.freq)
+    check_rl(cfg.rl, c.interval, cfg.validation.freq)
     _check_replicas(cfg)
     _check_restarts(cfg.fault_tolerance.max_restarts, c, cfg.fault_tolerance.enable)
     _check_rerun(cfg)

@@ -25,7 +25,8 @@ class RL:
     prompts: str = ""
     """A .jsonl of prompts: each row a "prompt" (text, sent as a user turn where the tokenizer has a
     chat template) or "messages" (a chat ending in a user turn), and an "answer" the reward may
-    read. Empty: the built-in arithmetic task (titanlite.rl.task)."""
+    read. Empty: with data.format = "chat", data.path's rows (chats ending in a user turn, with their
+    "answer" field); else the built-in arithmetic task (titanlite.rl.task)."""
     group_size: int = 4
     """Completions sampled per prompt (>= 2: advantages compare them)."""
     temperature: float = 1.0
@@ -41,7 +42,8 @@ class RL:
     clip_eps_high: float = -1.0
     """The upper clip (DAPO's clip-higher); -1: clip_eps."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference (LoRA: the model with its adapters off); 0: no reference."""
+    """Weight of the k3 KL to the reference (LoRA: the model with its adapters off; a full fine-tune:
+    a frozen copy of its starting weights, saved with each checkpoint); 0: no reference."""
     loss_norm: str = "token"
     """token (DAPO: mean over the step's completion tokens), sequence (GRPO: mean of each
     completion's token mean) or group (Dr. GRPO: sum over tokens / (completions x max_new_tokens))."""
@@ -53,7 +55,7 @@ class RL:
         return self.clip_eps if self.clip_eps_high == -1 else self.clip_eps_high
 
 
-def check_rl(r: RL, lora_rank: int, checkpoint_interval: int, validation_freq: int) -> None:
+def check_rl(r: RL, checkpoint_interval: int, validation_freq: int) -> None:
     """[rl]'s own values, and what a GRPO run cannot do; one line each."""
     if not r.enable:
         return
@@ -72,9 +74,6 @@ def check_rl(r: RL, lora_rank: int, checkpoint_interval: int, validation_freq: i
         raise ConfigError(f"rl.updates_per_batch must be >= 1, got {r.updates_per_batch}")
     if ":" not in r.reward:
         raise ConfigError(f"rl.reward: '{r.reward}' is not 'module:function' (e.g. titanlite.rl.rewards:exact_answer)")
-    if r.kl_coef > 0 and lora_rank == 0:
-        raise ConfigError(f"rl.kl_coef {r.kl_coef} needs a reference model: train LoRA (lora.rank > 0; the reference "
-                          "is the model with its adapters off) or set rl.kl_coef = 0")
     if checkpoint_interval % r.updates_per_batch:
         raise ConfigError(f"checkpoint.interval {checkpoint_interval} is not a multiple of rl.updates_per_batch "
                           f"{r.updates_per_batch}: a resume must start a new batch of rollouts")

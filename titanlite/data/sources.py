@@ -55,8 +55,8 @@ def _stdlib_documents() -> list[str]:
     return [text for _, text in stdlib_files()]
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) of each non-blank line."""
+def jsonl_rows(path: Path, key: str = "data.path") -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line; `key`: the setting an error line names."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -64,11 +64,11 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"data.path: {path} line {lineno}: invalid JSON ({e})") from None
+                raise ConfigError(f"{key}: {path} line {lineno}: invalid JSON ({e}); fix or drop the line") from None
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    for lineno, record in _jsonl_rows(path):
+    for lineno, record in jsonl_rows(path):
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise ConfigError(f"data.path: {path} line {lineno}: no text field '{field}'; "
                               "set data.text_field to the field holding the text")
@@ -227,7 +227,7 @@ def iter_records(path: str, field: str, split: str, key: str) -> Iterator[tuple[
         raise ConfigError(f"data.path: '{path}' does not exist")
     for f in _files(p):
         if f.suffix == ".jsonl":
-            for lineno, record in _jsonl_rows(f):
+            for lineno, record in jsonl_rows(f):
                 yield f"{f} line {lineno}", record.get(field) if isinstance(record, dict) else None
         elif f.suffix == ".parquet":
             yield from ((f"{f} row {n + 1}", v) for n, v in enumerate(_parquet_column(f, field, key)))

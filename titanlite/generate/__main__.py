@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titanlite.data.sources import jsonl_rows
 from titanlite.errors import ConfigError
 from titanlite.generate import Sampling, generate
 from titanlite.generate.load import check_tp_degree, eos_ids, load_model, load_tokenizer, read_model_args
@@ -61,14 +62,7 @@ def read_prompts(a: argparse.Namespace) -> list[str]:
         path = Path(a.prompts)
         if not path.is_file():
             raise ConfigError(f"--prompts {path}: no such file; give a JSON-lines file of prompts")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--prompts {path}:{n}: not JSON ({e.msg}); write one JSON string or "
-                                  '{"prompt": ...} object a line') from None
+        for n, row in jsonl_rows(path, "--prompts"):
             text = row.get("prompt") if isinstance(row, dict) else row
             if not isinstance(text, str):
                 raise ConfigError(f'--prompts {path}:{n}: neither a string nor an object with a "prompt" string')

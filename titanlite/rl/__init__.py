@@ -4,12 +4,21 @@ step; train.py's loop is unchanged. docs/post_training.md."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
+import torch.nn as nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config.job import JobConfig
+from titanlite.data.loader import GlobalBatchSampler, TokenSamples
+from titanlite.data.tokens import TokenStream
 from titanlite.errors import ConfigError
+from titanlite.layers.lora import adapters_off
+from titanlite.preference import FrozenCopy
 from titanlite.preflight import Plan
 from titanlite.rl.loss import PolicyLoss
 from titanlite.rl.prompts import load_prompts, stop_ids
@@ -24,7 +33,7 @@ def check(cfg: JobConfig, dims, gbs: int, warms_up: bool, tokenizer) -> None:
     before launch."""
     check_layout(cfg, dims, gbs, warms_up)
     load_reward(cfg.rl.reward)
-    load_prompts(cfg.rl.prompts, tokenizer, cfg.data.seed, cfg.training.seq_len - cfg.rl.max_new_tokens)
+    load_prompts(cfg.rl.prompts, tokenizer, cfg.data.seed, cfg.training.seq_len - cfg.rl.max_new_tokens, cfg.data)
 
 
 def check_layout(cfg: JobConfig, dims, gbs: int, warms_up: bool) -> None:
@@ -55,12 +64,37 @@ def checked(cfg: JobConfig, plan: Plan) -> Plan:
     return plan
 
 
+def idle_loader(seq_len: int, gbs: int, local_batch: int, dp_rank: int, dp: int) -> StatefulDataLoader:
+    """The loader a GRPO run hands the loop and the checkpoint (its sample cursor), never read: the
+    rollouts are its data, and data.path's source (a chat source's prompts included) is not
+    tokenized or packed as training data."""
+    stream = TokenStream(np.zeros(gbs * seq_len + 1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    return StatefulDataLoader(TokenSamples(stream, seq_len, False, 0),
+                              batch_sampler=GlobalBatchSampler(gbs, local_batch, dp_rank, dp))
+
+
+def reference_of(cfg: JobConfig, model: nn.Module, optional: dict[str, Any]
+                 ) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """What turns the policy into rl.kl_coef's reference for a forward, or None (no KL term): with
+    LoRA the model with its adapters off; a full fine-tune a frozen copy of its starting weights
+    (titanlite.preference.FrozenCopy, sharded as the policy), registered in `optional` to be
+    checkpointed. Called before a resume, which restores the copy."""
+    if not cfg.rl.kl_coef:
+        return None
+    if cfg.lora.rank:
+        return lambda: adapters_off(model)
+    optional["reference"] = copy = FrozenCopy([model])
+    return copy.swapped_in
+
+
 def build(cfg: JobConfig, tokenizer, step: PlainStep, meshes, gbs: int, device: torch.device,
-          due: Callable[[int], bool]) -> tuple[RLStep, Rollouts]:
-    """The RL step (the plain step's loss swapped) and the rollouts that feed it."""
+          due: Callable[[int], bool], reference: Callable[[], contextlib.AbstractContextManager] | None
+          ) -> tuple[RLStep, Rollouts]:
+    """The RL step (the plain step's loss swapped) and the rollouts that feed it; `reference`:
+    reference_of's."""
     r, t = cfg.rl, cfg.training
-    rl_step = RLStep.of(step, PolicyLoss(r.clip_eps, r.clip_high, r.kl_coef, r.temperature))
-    prompts = load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens)
+    rl_step = RLStep.of(step, PolicyLoss(r.clip_eps, r.clip_high, r.kl_coef, r.temperature), reference)
+    prompts = load_prompts(r.prompts, tokenizer, cfg.data.seed, t.seq_len - r.max_new_tokens, cfg.data)
     rollouts = Rollouts(r, prompts, tokenizer.decode, stop_ids(tokenizer), load_reward(r.reward), rl_step,
                         t.seed, t.seq_len, gbs, t.local_batch_size, meshes.dp.get_local_rank(),
                         meshes.dp.size(), meshes.dp.get_group(), device, cfg.job.dump_folder, due)

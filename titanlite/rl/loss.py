@@ -47,9 +47,12 @@ def token_scale(lengths: torch.Tensor, n_tokens: int, n: int, loss_norm: str, ma
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    x = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
-    logp = x.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Each position's entropy. Vocab-sharded logits (loss parallel) stay sharded: the log-softmax is
+    loss parallel's (a sharded logsumexp) and the sum over the vocabulary a reduction of [B, S]
+    partial sums, not a gather of the logits."""
+    logp = logits.float().log_softmax(-1)
+    out = -(logp.exp() * logp).sum(-1)
+    return out.full_tensor() if isinstance(out, DTensor) else out
 
 
 @dataclass(frozen=True)

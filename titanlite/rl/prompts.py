@@ -1,17 +1,19 @@
-"""GRPO's prompts: rl.prompts (a .jsonl of "prompt" or "messages" rows with an "answer") or the
-built-in task, each tokenized as the model will see it (a user turn through the tokenizer's chat
+"""GRPO's prompts: rl.prompts (a .jsonl of "prompt" or "messages" rows with an "answer"), a chat
+source's rows (data.format = "chat": data.path's chats, each ending in a user turn, with their
+"answer" column) or the built-in task, each tokenized as the model will see it (a user turn through the tokenizer's chat
 template with the generation prompt where it has one, else the text's own tokens), and the prompts
 each rollout batch takes, in an order fixed by the seed."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from titanlite.config.data import Data
 from titanlite.data.chat import check_messages
+from titanlite.data.sources import iter_records, jsonl_rows
 from titanlite.errors import ConfigError
 from titanlite.rl.task import arithmetic_rows
 
@@ -33,13 +35,7 @@ def _read_rows(path: str) -> list[dict]:
         raise ConfigError(f"rl.prompts: '{path}' is not a .jsonl file; give one row per prompt with \"prompt\" "
                           "(or \"messages\") and \"answer\", or leave it empty for the built-in arithmetic task")
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"rl.prompts: {path} line {n} is not JSON ({e.msg}); fix or drop it") from None
+    for n, row in jsonl_rows(p, "rl.prompts"):
         if not isinstance(row, dict) or ("prompt" not in row and "messages" not in row):
             raise ConfigError(f"rl.prompts: {path} line {n} has no \"prompt\" or \"messages\"; each row needs one")
         rows.append(row)
@@ -48,28 +44,49 @@ def _read_rows(path: str) -> list[dict]:
     return rows
 
 
-def _chat(row: dict, where: str) -> list[dict]:
+def _chat_rows(data: Data) -> tuple[list[dict], list[str]]:
+    """data.path's chats (data.messages_field) as prompt rows {"messages", "answer"}, the answer
+    from the rows' "answer" field (column) where they have one; and each row's name."""
+    if data.mix or not data.path:
+        raise ConfigError("data.path: rl.enable with data.format = \"chat\" takes its prompts from data.path's rows "
+                          f"(chats ending in a user turn); {'data.mix' if data.mix else 'the built-in chat set'} "
+                          "has none: set data.path to one source (or give rl.prompts)")
+    chats = list(iter_records(data.path, data.messages_field, data.split, "data.messages_field"))
+    answers = iter_records(data.path, "answer", data.split, "a GRPO chat source's 'answer' column")
+    rows = [{"messages": m} if a is None else {"messages": m, "answer": a} for (_, m), (_, a) in zip(chats, answers)]
+    return rows, [where for where, _ in chats]
+
+
+def _chat(row: dict, where: str, key: str) -> list[dict]:
     if "messages" not in row:
         return [{"role": "user", "content": str(row["prompt"])}]
     try:
         chat = check_messages(row["messages"], where, "messages")
     except ConfigError as e:  # the data set's checks, named by this key
-        raise ConfigError(f"rl.prompts{str(e).removeprefix('data.path')}") from None
+        raise ConfigError(f"{key}{str(e).removeprefix('data.path')}") from None
     if chat[-1]["role"] != "user":
-        raise ConfigError(f"rl.prompts: {where}: the chat's last message has role {chat[-1]['role']}; a prompt "
+        raise ConfigError(f"{key}: {where}: the chat's last message has role {chat[-1]['role']}; a prompt "
                           "ends in a user turn, which the completions answer")
     return chat
 
 
-def load_prompts(path: str, tokenizer, seed: int, longest: int) -> Prompts:
-    """The prompts, tokenized; each at most `longest` tokens (seq_len - max_new_tokens)."""
-    rows = _read_rows(path) if path else arithmetic_rows(seed=seed)
+def load_prompts(path: str, tokenizer, seed: int, longest: int, data: Data | None = None) -> Prompts:
+    """The prompts, tokenized; each at most `longest` tokens (seq_len - max_new_tokens): rl.prompts'
+    (`path`), else a chat source's (`data`, data.format = "chat"), else the built-in task's."""
+    key = "rl.prompts"
+    if path:
+        rows = _read_rows(path)
+        wheres = [f"{path} row {n + 1}" for n in range(len(rows))]
+    elif data is not None and data.format == "chat":
+        (rows, wheres), key = _chat_rows(data), "data.path"
+    else:
+        rows = arithmetic_rows(seed=seed)
+        wheres = [f"built-in task row {n + 1}" for n in range(len(rows))]
     hf = getattr(tokenizer, "hf", None)
     templated = hf is not None and getattr(hf, "chat_template", None)
     texts, ids = [], []
-    for n, row in enumerate(rows):
-        where = f"{path} row {n + 1}" if path else f"built-in task row {n + 1}"
-        chat = _chat(row, where)
+    for row, where in zip(rows, wheres):
+        chat = _chat(row, where, key)
         texts.append(str(chat[-1]["content"]))
         if templated:
             text = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -77,11 +94,11 @@ def load_prompts(path: str, tokenizer, seed: int, longest: int) -> Prompts:
         else:
             ids.append(tokenizer.encode(texts[-1]))
         if len(ids[-1]) > longest:
-            raise ConfigError(f"rl.prompts: {where} has {len(ids[-1])} tokens, more than training.seq_len - "
+            raise ConfigError(f"{key}: {where} has {len(ids[-1])} tokens, more than training.seq_len - "
                               f"rl.max_new_tokens = {longest}; raise training.seq_len, lower rl.max_new_tokens "
                               "or shorten the prompt")
         if not ids[-1]:
-            raise ConfigError(f"rl.prompts: {where} is empty; a prompt needs one token at least")
+            raise ConfigError(f"{key}: {where} is empty; a prompt needs one token at least")
     return Prompts(rows, texts, ids)
 
 

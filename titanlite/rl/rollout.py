@@ -96,10 +96,11 @@ class Rollouts:
         model = FullLogits(self.step.model)
         context = context_length(self.step.model)
         for i in indices:
-            gens = generate(model, [self.prompts.ids[i]] * g, self.r.max_new_tokens, temperature=self.r.temperature,
-                            seed=[sample_seed(self.seed, batch, i, s) for s in range(g)], eos_ids=self.eos_ids,
-                            decode=self.decode, context=context,
-                            everyone=self._everyone if dist.get_world_size() > 1 else None)
+            with self.step.autocast:  # the training's mixed precision where FSDP does not cast (TP, one device)
+                gens = generate(model, [self.prompts.ids[i]] * g, self.r.max_new_tokens, temperature=self.r.temperature,
+                                seed=[sample_seed(self.seed, batch, i, s) for s in range(g)], eos_ids=self.eos_ids,
+                                decode=self.decode, context=context,
+                                everyone=self._everyone if dist.get_world_size() > 1 else None)
             out += [(i, gen.ids, gen.text or "") for gen in gens]
         return out
 
@@ -142,11 +143,13 @@ class Rollouts:
                         for (i, _, text), r in zip(rows[:SAMPLES_LOGGED], mine_rewards)]
         micro = [self._micro_batch(rows[k:k + self.local_batch], adv[k:k + self.local_batch],
                                    scale[k:k + self.local_batch]) for k in range(0, len(rows), self.local_batch)]
-        for b in micro:  # what the loss compares against, taken before any update of this batch
-            if self.r.kl_coef:
-                b["ref_logp"] = self.step.logprobs(b, reference=True)
-            if self.r.updates_per_batch > 1:
-                b["old_logp"] = self.step.logprobs(b, reference=False)
+        # what the loss compares against, taken before any update of this batch
+        if self.r.kl_coef:
+            for b, logp in zip(micro, self.step.logprobs(micro, reference=True)):
+                b["ref_logp"] = logp
+        if self.r.updates_per_batch > 1:
+            for b, logp in zip(micro, self.step.logprobs(micro, reference=False)):
+                b["old_logp"] = logp
         return micro
 
     def _micro_batch(self, rows: list[tuple[int, list[int], str]], adv: torch.Tensor, scale: torch.Tensor) -> Batch:

@@ -4,11 +4,11 @@ rollouts' per-token tensors ride in each micro-batch. It sums the loss's statist
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from titanlite.layers.lora import adapters_off
 from titanlite.loss import ExtraLosses, loss_context, token_logprobs
 from titanlite.rl.loss import STATS, PolicyLoss
 from titanlite.step import Batch, PlainStep
@@ -17,12 +17,15 @@ from titanlite.step import Batch, PlainStep
 @dataclass
 class RLStep(PlainStep):
     policy: PolicyLoss | None = None
+    reference: Callable[[], contextlib.AbstractContextManager] | None = None
+    """What makes the model the KL's reference for a forward (titanlite.rl.reference_of)."""
     stats: torch.Tensor | None = field(default=None)
     """The STATS sums of this rank's micro-batches since the last `take_stats`."""
 
     @classmethod
-    def of(cls, step: PlainStep, policy: PolicyLoss) -> RLStep:
-        return cls(**{f.name: getattr(step, f.name) for f in fields(PlainStep)}, policy=policy)
+    def of(cls, step: PlainStep, policy: PolicyLoss,
+           reference: Callable[[], contextlib.AbstractContextManager] | None = None) -> RLStep:
+        return cls(**{f.name: getattr(step, f.name) for f in fields(PlainStep)}, policy=policy, reference=reference)
 
     def _loss_sum(self, batch: Batch, extra: ExtraLosses | None = None) -> torch.Tensor:
         loss, stats = self.policy(self.logits(batch), batch["labels"], batch["advantages"], batch["scale"],
@@ -35,10 +38,10 @@ class RLStep(PlainStep):
         return torch.zeros(len(STATS)) if out is None else out
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch, reference: bool) -> torch.Tensor:
-        """Per-token log-probs of the batch's labels (of logits / temperature): the policy's now
-        (old log-probs kept for rl.updates_per_batch > 1), or with `reference`, LoRA's adapters off."""
-        with loss_context(self.loss_parallel), adapters_off(self.model) if reference else contextlib.nullcontext():
-            logits = self.logits(batch)
-            return token_logprobs(logits / self.policy.temperature, batch["labels"])
+    def logprobs(self, batches: list[Batch], reference: bool) -> list[torch.Tensor]:
+        """Per-token log-probs of each batch's labels (of logits / temperature): the policy's now
+        (old log-probs kept for rl.updates_per_batch > 1), or with `reference`, the reference's (one
+        switch to it for all the batches: a frozen copy is swapped in once)."""
+        with loss_context(self.loss_parallel), self.reference() if reference else contextlib.nullcontext():
+            return [token_logprobs(self.logits(b) / self.policy.temperature, b["labels"]) for b in batches]
 
