@@ -47,6 +47,10 @@ def check_layout(cfg: JobConfig, dims, gbs: int, warms_up: bool) -> None:
         raise ConfigError("parallelism.sequence_parallel: rl.enable generates one token at a time on the "
                           "tensor-parallel ranks, which cannot split it over the sequence; set "
                           "parallelism.sequence_parallel = false")
+    if dims.tp > 1 and dims.ep > 1:  # each tp rank routes its own share of the sequence, which a decode step lacks
+        raise ConfigError("parallelism.expert_parallel_degree: rl.enable generates one token at a time, which MoE "
+                          "blocks under tensor parallel cannot split (the generation would hang); set "
+                          "parallelism.tensor_parallel_degree = 1 or parallelism.expert_parallel_degree = 1")
     if cfg.fault_tolerance.enable or t.on_spike == "rollback" or warms_up:
         raise ConfigError("rl.enable: replica groups, training.on_spike = rollback and a batch-size warm-up change "
                           "which rollouts a step takes; turn them off for a GRPO run")
