@@ -26,7 +26,7 @@ from titanlite.layers.attention import AttnSetup
 from titanlite.loss import IGNORE_INDEX, token_logprobs
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import Transformer
-from titanlite.preference import PreferenceLoss, pair_logps, pair_losses
+from titanlite.preference import PreferenceLoss, fill_sft, pair_logps, pair_losses
 
 VOCAB = 96
 CONFIG = dict(hidden_size=48, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -78,13 +78,14 @@ def _trl_inputs(pairs: tuple) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
-def _trl_dpo(kind: str, beta: float, policy, ref, inputs) -> torch.Tensor:
+def _trl_dpo(kind: str, beta: float, policy, ref, inputs, sft: float = 0.0) -> torch.Tensor:
     """DPOTrainer._compute_loss itself on `policy` and `ref` (fused heads added as the trainer does)."""
     identity = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x,
                                      unwrap_model=lambda m: m)
     trainer = types.SimpleNamespace(
         model=policy, ref_model=ref, accelerator=identity, aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=False, f_divergence_type="reverse_kl", loss_types=[kind], loss_weights=[1.0], beta=beta,
+        precompute_ref_logps=False, f_divergence_type="reverse_kl", loss_types=[kind, "sft"] if sft else [kind],
+        loss_weights=[1.0, sft] if sft else [1.0], beta=beta,
         use_weighting=False, label_smoothing=0.0, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None))
     return DPOTrainer._compute_loss(trainer, policy, inputs, False)
@@ -101,11 +102,12 @@ def _trl_simpo(beta: float, gamma: float, policy, inputs) -> torch.Tensor:
     return CPOTrainer.cpo_loss(trainer, chosen, rejected)[0].mean()
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "dpo_norm"])
-def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
+@pytest.mark.parametrize("kind,sft", [("dpo", 0.0), ("ipo", 0.0), ("simpo", 0.0), ("dpo_norm", 0.0), ("dpo", 0.7)])
+def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind, sft):
     """Pairs packed several per sample (document masks) through titanlite's model give TRL 1.16's loss
     (its own DPOTrainer / CPOTrainer code over a padded [chosen; rejected] batch of the same
-    transformers model) and the same gradient on every weight, within 1e-5."""
+    transformers model) and the same gradient on every weight, within 1e-5; with sft_weight, TRL's
+    loss_type [sigmoid, sft] and loss_weights [1, sft_weight] (its mean over the batch's chosen tokens)."""
     pairs = _pairs(7)
     policy, ref = _hf(0), _hf(1)  # a reference unlike the policy: the log-ratios are not 0
     ours, args = _ours(policy)
@@ -119,7 +121,8 @@ def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
     with torch.no_grad():
         ref_lp = token_logprobs(ours_ref(batch["input_ids"], ctx), labels[..., TOKEN])
     labels[..., REFERENCE] = ref_lp.view(torch.int32).to(torch.int64)
-    p = Preference(loss=kind, beta=0.5, gamma=0.3)
+    p = Preference(loss=kind, beta=0.5, gamma=0.3, sft_weight=sft)
+    fill_sft([labels], None)
     loss = PreferenceLoss(p)(ours(batch["input_ids"], ctx), labels) / target_count(labels)
     loss.backward()
     trl_kind = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}.get(kind, kind)
@@ -129,13 +132,13 @@ def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
     else:
         add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
         add_fused_lm_head(ref)
-        theirs = _trl_dpo(trl_kind, p.beta, policy, ref, inputs)
+        theirs = _trl_dpo(trl_kind, p.beta, policy, ref, inputs, sft)
     theirs.backward()
     assert abs(loss.item() - theirs.item()) <= 1e-5, (loss.item(), theirs.item())
     grads = SPEC.hf.to_hf({n: q.grad for n, q in ours.named_parameters()}, args)
     worst = max((grads[n] - q.grad).abs().max().item() for n, q in policy.named_parameters())
     assert max(q.grad.abs().max().item() for q in policy.parameters()) > 1e-3  # gradients that can differ
-    print(f"{kind}: loss {loss.item():.7f} vs TRL {theirs.item():.7f}, worst gradient difference {worst:.1e}")
+    print(f"{kind} sft {sft}: loss {loss.item():.7f} vs TRL {theirs.item():.7f}, worst gradient difference {worst:.1e}")
     assert worst <= 1e-5
 
 

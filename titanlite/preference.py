@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.data import Preference
 from titanlite.config.job import JobConfig
-from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, TOKEN
+from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, SFT, TOKEN
 from titanlite.layers.lora import adapters_off
 from titanlite.loss import ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
 
@@ -39,18 +39,24 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 """TRL's names for the per-pair means a preference run logs (metrics.jsonl; TensorBoard train/...)."""
 
 
-def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: dist.ProcessGroup | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _floats(channel: torch.Tensor) -> torch.Tensor:
+    """A label channel that holds float32 bits (REFERENCE, SFT), as floats."""
+    return channel.to(torch.int32).view(torch.float32)
+
+
+def pair_sums(lp: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: dist.ProcessGroup | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(policy log-prob sums, reference log-prob sums, target counts) of each pair slot of a
-    micro-batch, each [slots, 2] (chosen, rejected), in row order then pair order; the policy's with
-    its graph. A slot holds a pair where its chosen count is > 0 (every response has a target)."""
-    tokens, response = labels[..., TOKEN], labels[..., RESPONSE]
-    ref = labels[..., REFERENCE].to(torch.int32).view(torch.float32)
-    rows, local = tokens.shape
+    micro-batch from its per-token log-probs `lp`, each [slots, 2] (chosen, rejected), in row order
+    then pair order; the policy's with its graph. A slot holds a pair where its chosen count is > 0
+    (every response has a target)."""
+    response = labels[..., RESPONSE]
+    ref = _floats(labels[..., REFERENCE])
+    rows, local = response.shape
     per_row = local * cp + local * cp % 2  # a row holds fewer responses than positions
-    segments = torch.where(response >= 0, response + per_row * torch.arange(rows, device=tokens.device)[:, None], -1)
+    segments = torch.where(response >= 0, response + per_row * torch.arange(rows, device=lp.device)[:, None], -1)
     n = rows * per_row
-    policy = segment_sums(token_logprobs(logits, tokens), segments, n)
+    policy = segment_sums(lp, segments, n)
     counts = segment_sums(torch.ones_like(ref), segments, n)
     refs = segment_sums(ref, segments, n)
     if cp_group is not None:  # the rest of each response is on the other context-parallel ranks
@@ -58,6 +64,12 @@ def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: di
         dist.all_reduce(counts, group=cp_group)
         dist.all_reduce(refs, group=cp_group)
     return policy.view(-1, 2), refs.view(-1, 2), counts.view(-1, 2)
+
+
+def pair_logps(logits: torch.Tensor, labels: torch.Tensor, cp: int, cp_group: dist.ProcessGroup | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pair_sums of the logits' log-probs of the labels."""
+    return pair_sums(token_logprobs(logits, labels[..., TOKEN]), labels, cp, cp_group)
 
 
 def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor
@@ -79,8 +91,6 @@ def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: 
             delta = per_token[:, 0] - per_token[:, 1]
             losses = (delta - 1 / (2 * p.beta)) ** 2 if p.loss == "ipo" else -F.logsigmoid(p.beta * delta)
         rewards = p.beta * ratios.detach()
-    if p.sft_weight:
-        losses = losses - p.sft_weight * policy[:, 0] / counts[:, 0]
     logps = policy.detach()
     metrics = {"rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
                "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).to(policy.dtype),
@@ -93,8 +103,11 @@ def pair_losses(p: Preference, policy: torch.Tensor, ref: torch.Tensor, counts: 
 class PreferenceLoss:
     """A LossFn over preference labels: the sum of the micro-batch's pair losses (the step divides by
     the global pair count). Context-parallel ranks each return 1/cp of it: their sums are all-reduced
-    with their graph, so each rank's gradient is the whole loss's. In a training step, each metric's
-    sum joins the step's extra terms (logged per pair); outside one (validation), to `sums`."""
+    with their graph, so each rank's gradient is the whole loss's. With sft_weight, the SFT term:
+    each chosen target's negative log-prob times the SFT channel (the step's pairs over its chosen
+    targets), so that over the step's pair count it is TRL's mean over all chosen targets; a
+    context-parallel rank's over its own tokens. In a training step, each metric's sum joins the
+    step's extra terms (logged per pair); outside one (validation), to `sums`."""
 
     p: Preference
     cp: int = 1
@@ -103,8 +116,11 @@ class PreferenceLoss:
     """Outside a training step (validation): each metric's sum and the pair count, until `held_out`."""
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
-        losses, metrics = pair_losses(self.p, *pair_logps(logits, labels, self.cp, self.cp_group))
+        lp = token_logprobs(logits, labels[..., TOKEN])
+        losses, metrics = pair_losses(self.p, *pair_sums(lp, labels, self.cp, self.cp_group))
         total = losses.sum() / self.cp
+        if self.p.sft_weight:  # TRL's sft loss type: each chosen target's NLL x pairs / chosen targets (SFT)
+            total = total - self.p.sft_weight * (lp * _floats(labels[..., SFT])).sum()
         held_out = extra is None and not torch.is_grad_enabled()
         for name, values in metrics.items():
             value = values.sum() / self.cp
@@ -214,17 +230,23 @@ def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, extra: Extra
 
 
 class PreferenceStep:
-    """A step (PlainStep or the pipeline's) whose micro-batches get the reference's per-token log-probs
-    first, in training and in validation; everything else is the inner step's."""
+    """A step (PlainStep or the pipeline's) whose micro-batches get their label channels the step
+    fills first, in training and in validation: the reference's per-token log-probs (REFERENCE) and
+    the SFT term's weight (SFT); everything else is the inner step's."""
 
-    def __init__(self, inner: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager]
-                 ) -> None:
-        self.inner, self.parts, self.reference = inner, parts, reference
+    def __init__(self, inner: Any, parts: list[nn.Module],
+                 reference: Callable[[], contextlib.AbstractContextManager] | None, sft: bool,
+                 group: dist.ProcessGroup) -> None:
+        self.inner, self.parts, self.reference, self.sft, self.group = inner, parts, reference, sft, group
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def _fill(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        if self.sft:
+            fill_sft([b["labels"] for b in batches], self.group)
+        if self.reference is None:
+            return
         # one switch to the reference for all the step's micro-batches (a frozen copy is swapped in once)
         loss_fn, modes = self.inner.loss_fn, [part.training for part in self.parts]
         self.inner.loss_fn = _reference_logprobs
@@ -250,6 +272,18 @@ class PreferenceStep:
         return self.inner.eval_loss_sum(batch)
 
 
+def fill_sft(labels: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """The SFT channel of a step's labels (every micro-batch's, this rank's shard of them): the
+    step's global pair count over its global chosen target count, at each chosen target."""
+    chosen = [(x[..., RESPONSE] >= 0) & (x[..., RESPONSE] % 2 == 0) for x in labels]
+    counts = torch.stack([sum(x[..., PAIR].sum() for x in labels), sum(c.sum() for c in chosen)]).double()
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    weight = (counts[0] / counts[1].clamp(min=1)).float()
+    for x, c in zip(labels, chosen):
+        x[..., SFT] = torch.where(c, weight, 0.0).view(torch.int32).to(torch.int64)
+
+
 def build_objective(cfg: JobConfig, loss_parallel: bool, cp_group: dist.ProcessGroup | None) -> LossFn:
     """The run's loss: a PreferenceLoss for preference data, else titanlite.loss.build_loss_fn's."""
     if cfg.data.format != "preference":
@@ -267,6 +301,8 @@ def fake_pairs(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def wrap(step: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager] | None) -> Any:
-    """The step, with the reference pass where the run has a reference."""
-    return step if reference is None else PreferenceStep(step, parts, reference)
+def wrap(step: Any, parts: list[nn.Module], reference: Callable[[], contextlib.AbstractContextManager] | None,
+         sft: bool, group: dist.ProcessGroup) -> Any:
+    """The step, with the reference pass where the run has a reference and the SFT term's weights
+    where it has one (preference.sft_weight)."""
+    return step if reference is None and not sft else PreferenceStep(step, parts, reference, sft, group)

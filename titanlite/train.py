@@ -93,13 +93,16 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
+    sft = cfg.data.format == "preference" and cfg.preference.sft_weight > 0
     if plan.stages is None:
         return preference.wrap(PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(),
-                                         autocast, across=None if replicas is None else replicas.count), parts, reference)
+                                         autocast, across=None if replicas is None else replicas.count), parts,
+                               reference, sft, meshes.dp_cp.get_group())
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return preference.wrap(pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule,
-                                                 meshes, loss_fn, opts, attn, autocast, device, shapes), parts, reference)
+                                                 meshes, loss_fn, opts, attn, autocast, device, shapes), parts,
+                           reference, sft, meshes.dp_cp.get_group())
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,8 @@ class Preference:
     gamma: float = 0.5
     """SimPO's target margin (used by simpo only)."""
     sft_weight: float = 0.0
-    """Weight of an SFT term on each chosen response (its mean target-token negative log-prob)."""
+    """Weight of an SFT term: the mean negative log-prob of the chosen responses' target tokens over
+    the step's global batch (TRL's loss_type sft with this loss weight)."""
     reference: str = "lora"
     """lora (the same model with its adapters off; needs [lora]), model (a frozen copy of the
     starting weights, sharded as the policy) or precomputed (not yet implemented)."""

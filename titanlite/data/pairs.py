@@ -12,8 +12,10 @@ A preference sample's labels are [seq_len, LABEL_CHANNELS], not [seq_len]: the l
 gets a sample's labels split as its tokens are, so what the pair loss needs per position travels in
 them: TOKEN (the label, IGNORE_INDEX outside responses), RESPONSE (2 p for the chosen response of
 the sample's pair p, 2 p + 1 for its rejected, -1 outside responses), PAIR (1 at the first target of
-each chosen response: the sum over a step's labels is its pair count, whatever the split) and
-REFERENCE (the reference model's log-prob of the label, float32 bits, filled by the step).
+each chosen response: the sum over a step's labels is its pair count, whatever the split),
+REFERENCE (the reference model's log-prob of the label, float32 bits, filled by the step) and SFT
+(with preference.sft_weight, at each chosen response's targets: the step's pair count over its
+chosen target count, float32 bits, filled by the step: the SFT term's weight, whatever the split).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from titanlite.data.sources import iter_records, source_name
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import ConfigError
 
-TOKEN, RESPONSE, PAIR, REFERENCE = range(4)
-LABEL_CHANNELS = 4
+TOKEN, RESPONSE, PAIR, REFERENCE, SFT = range(5)
+LABEL_CHANNELS = 5
 FIELDS = ("prompt", "chosen", "rejected")
 Pair = tuple[Chat, Chat]
 
@@ -149,7 +151,8 @@ class PairSamples(ChatSamples):
         response = torch.where(tokens != IGNORE_INDEX, x["document_ids"], -1)
         # a response's targets are its last tokens, in one run: a chosen one's first starts a run
         first = (response >= 0) & (response % 2 == 0) & (response != response.roll(1))
-        x["labels"] = torch.stack([tokens, response, first.long(), torch.zeros_like(tokens)], -1)
+        zero = torch.zeros_like(tokens)
+        x["labels"] = torch.stack([tokens, response, first.long(), zero, zero], -1)
         return x
 
     def note(self) -> str:
