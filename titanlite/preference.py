@@ -242,9 +242,10 @@ class PreferenceStep:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def _fill(self, batches: list[dict[str, torch.Tensor]]) -> None:
-        if self.sft:
-            fill_sft([b["labels"] for b in batches], self.group)
+    def _fill(self, batches: list[dict[str, torch.Tensor]], training: bool) -> None:
+        if self.sft:  # a training step's counts are the quorum's with fault tolerance, as its pair count is
+            across = getattr(self.inner, "across", None) if training else None
+            fill_sft([b["labels"] for b in batches], self.group, across)
         if self.reference is None:
             return
         # one switch to the reference for all the step's micro-batches (a frozen copy is swapped in once)
@@ -264,21 +265,24 @@ class PreferenceStep:
                 batch["labels"][..., REFERENCE] = lp.view(torch.int32).to(torch.int64)
 
     def __call__(self, batches: list[dict[str, torch.Tensor]]):
-        self._fill(batches)
+        self._fill(batches, True)
         return self.inner(batches)
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self._fill([batch])
+        self._fill([batch], False)
         return self.inner.eval_loss_sum(batch)
 
 
-def fill_sft(labels: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+def fill_sft(labels: list[torch.Tensor], group: dist.ProcessGroup | None,
+             across: Callable[[torch.Tensor], None] | None = None) -> None:
     """The SFT channel of a step's labels (every micro-batch's, this rank's shard of them): the
     step's global pair count over its global chosen target count, at each chosen target."""
     chosen = [(x[..., RESPONSE] >= 0) & (x[..., RESPONSE] % 2 == 0) for x in labels]
     counts = torch.stack([sum(x[..., PAIR].sum() for x in labels), sum(c.sum() for c in chosen)]).double()
     if group is not None:
         dist.all_reduce(counts, group=group)
+    if across is not None:
+        across(counts)
     weight = (counts[0] / counts[1].clamp(min=1)).float()
     for x, c in zip(labels, chosen):
         x[..., SFT] = torch.where(c, weight, 0.0).view(torch.int32).to(torch.int64)
