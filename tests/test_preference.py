@@ -205,13 +205,14 @@ def test_preference_rows_and_their_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="prompt alone is"):
         pair_samples(cfg, tok, 8, "train")
     data = Data(format="preference", tokenizer="byte_chat", document_mask=True)
-    for p, lora, pp, line in [(Preference(reference="model"), True, 1, "copy the model needlessly"),
-                              (Preference(beta=0.0), True, 1, "beta must be > 0"),
-                              (Preference(), False, 1, "needs LoRA"),
-                              (Preference(reference="precomputed"), False, 1, "not implemented yet"),
-                              (Preference(), True, 2, "pipeline_parallel_degree = 1")]:
+    for p, lora, line in [(Preference(reference="model"), True, "copy the model needlessly"),
+                          (Preference(beta=0.0), True, "beta must be > 0"),
+                          (Preference(), False, "needs LoRA"),
+                          (Preference(reference="precomputed"), False, "not implemented yet")]:
         with pytest.raises(ConfigError, match=line):
-            check_preference(p, data, lora, pp)
+            check_preference(p, data, lora)
+    with pytest.raises(ConfigError, match="schedule ZBVZeroBubble cannot run the reference pass"):
+        check_preference(Preference(), data, True, pp_schedule="ZBVZeroBubble")
     with pytest.raises(ConfigError, match="set training.z_loss = 0"):
         check_preference(Preference(), data, True, z_loss=1e-4)
     with pytest.raises(ConfigError, match="would split preference pairs"):

@@ -45,6 +45,7 @@ def layouts(tmp_path_factory):
     lora = [*base, "--lora.rank", "4", "--lora.target_modules", "wq,wv,wo"]
     moe = [*lora, "--model.name", "qwen3_moe"]
     full = [*base, "--preference.reference", "model", "--optimizer.lr", "1e-4"]
+    sft = ["--preference.sft_weight", "0.5"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "5"]
     runs = {
         "fsdp2": [*lora, "--training.local_batch_size", "2", *ckpt, "--job.run_name", "straight"],
@@ -53,6 +54,9 @@ def layouts(tmp_path_factory):
         "tp2": [*lora, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
         "cp2": [*lora, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
         "ep2": [*moe, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+        # two micro-batches per step (accumulation), the SFT term's weight over the step's batch
+        "pp2": [*lora, *sft, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_microbatch_size", "2"],
         "full_fsdp2": [*full, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "straight"],
         "full_resumed": [*full, "--training.local_batch_size", "4", *ckpt, "--job.run_name", "resumed",
                          "--checkpoint.load_step", "5"],
@@ -64,6 +68,7 @@ def layouts(tmp_path_factory):
     assert codes == [0, 0], output[-6000:]
     refs = {"llama3": reference([*lora, "--training.local_batch_size", "8"]),
             "qwen3_moe": reference([*moe, "--training.local_batch_size", "8"]),
+            "sft": reference([*lora, *sft, "--training.local_batch_size", "8"]),
             "full": reference([*full, "--training.local_batch_size", "8"])}
     return dict(runs=runs, dumps=dumps, output=output, refs=refs)
 
@@ -74,11 +79,14 @@ def test_every_layout_matches_one_process(layouts):
         lines = re.findall(rf"rank \d run {i}: (.*)", out)
         assert len(lines) == 2 and all("optimizer exact: True" in x and "frozen unchanged: True" in x
                                        or x == "full fine-tuning" for x in lines), (name, lines, out[-4000:])
-    for name in ("fsdp2", "tp2", "cp2", "ep2", "full_fsdp2"):
-        ref = layouts["refs"]["qwen3_moe" if name == "ep2" else "full" if name.startswith("full") else "llama3"]
+    refs = {"ep2": "qwen3_moe", "pp2": "sft", "full_fsdp2": "full"}
+    for name in ("fsdp2", "tp2", "cp2", "ep2", "pp2", "full_fsdp2"):
+        ref = layouts["refs"][refs.get(name, "llama3")]
         got = _rows(layouts["dumps"][name], "straight" if name.endswith("fsdp2") else None)
         assert_parity(ref.losses, [r["loss"] for r in got])
-        assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["rewards/margins"] == 0.0
+        assert got[0]["rewards/margins"] == 0.0
+        if name != "pp2":  # its loss has the SFT term
+            assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
         diffs = [abs(a - r["loss"]) / a for a, r in zip(ref.losses, got)]
         print(f"{name}: first-step loss rel. diff {diffs[0]:.1e}, worst of {len(diffs)} steps {max(diffs):.1e}")
     assert max(r["rewards/accuracies"] for r in _rows(layouts["dumps"]["fsdp2"], "straight")) > 0.5  # it learns
@@ -88,10 +96,10 @@ def test_held_out_pairs_are_validated_with_trls_metrics_on_every_layout(layouts)
     """Validation at steps 5 and 10 on the held-out pairs: the loss and TRL's metrics (val_rewards/...)
     equal one process's on each layout."""
     names = ("val_loss", "val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen")
-    ref = [r for r in _rows(layouts["refs"]["llama3"].dump, key="val_loss")]
-    assert [r["step"] for r in ref] == [5, 10] and ref[-1]["val_rewards/margins"] > 0
-    for name in ("tp2", "cp2"):
+    for name in ("tp2", "cp2", "pp2"):
+        ref = _rows(layouts["refs"]["sft" if name == "pp2" else "llama3"].dump, key="val_loss")
         got = _rows(layouts["dumps"][name], key="val_loss")
+        assert [r["step"] for r in ref] == [r["step"] for r in got] == [5, 10] and ref[-1]["val_rewards/margins"] > 0
         for a, b in zip(ref, got):
             for n in names:
                 assert b[n] == pytest.approx(a[n], rel=1e-4, abs=1e-6), (name, n, a[n], b[n])

@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.data import Preference
 from titanlite.config.job import JobConfig
-from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, SFT, TOKEN
+from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, SFT, TOKEN, PairSamples
 from titanlite.layers.lora import adapters_off
-from titanlite.loss import ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
+from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -131,14 +131,15 @@ class PreferenceLoss:
         return total
 
 
-def held_out(loss_fn: LossFn, once: bool) -> dict[str, float]:
+def held_out(loss_fn: LossFn, once: bool, device: torch.device) -> dict[str, float]:
     """After a validation pass of a preference run: the held-out pairs' means of TRL's metrics, named
     val_rewards/accuracies etc. (the sums reduced over every rank, a tensor-parallel group's counted
     on its first rank, `once`), and the sums cleared; {} for any other loss."""
-    if not isinstance(loss_fn, PreferenceLoss) or not loss_fn.sums:
+    if not isinstance(loss_fn, PreferenceLoss):
         return {}
-    names = (*METRICS, "pairs")
-    sums = torch.stack([torch.as_tensor(loss_fn.sums[n], dtype=torch.float64) for n in names]) * float(once)
+    names = (*METRICS, "pairs")  # none on a pipeline stage before the last, which reduces with the rest
+    sums = torch.stack([torch.as_tensor(loss_fn.sums.get(n, 0), dtype=torch.float64, device=device)
+                        for n in names]) * float(once)
     dist.all_reduce(sums)
     loss_fn.sums.clear()
     return {f"val_{n}": v for n, v in zip(METRICS, (sums[:-1] / sums[-1]).tolist())}
@@ -205,11 +206,15 @@ class FrozenCopy:
                     _local(p).copy_(policy[n])
 
 
-def reference_of(p: Preference, fmt: str, parts: list[nn.Module], optional: dict[str, Any]
-                 ) -> Callable[[], contextlib.AbstractContextManager] | None:
+def reference_of(p: Preference, fmt: str, parts: list[nn.Module], optional: dict[str, Any],
+                 datasets: list[Any] = ()) -> Callable[[], contextlib.AbstractContextManager] | None:
     """What turns the policy into the reference for a forward, or None (no preference data; simpo needs
-    none). A frozen copy (reference = model) is registered in `optional` to be checkpointed."""
+    none; precomputed sums, which the samples carry). A frozen copy (reference = model) or the
+    precomputed sums of `datasets`' pairs is registered in `optional` to be checkpointed."""
     if fmt != "preference" or p.loss == "simpo":
+        return None
+    if p.reference == "precomputed":
+        optional["reference"] = Precomputed([d for d in datasets if isinstance(d, PairSamples)])
         return None
     if p.reference == "model":
         optional["reference"] = copy = FrozenCopy(parts)
@@ -227,6 +232,85 @@ def _all_off(parts: list[nn.Module]):
 
 def _reference_logprobs(logits: torch.Tensor, labels: torch.Tensor, extra: ExtraLosses | None = None) -> torch.Tensor:
     return token_logprobs(logits, labels[..., TOKEN])
+
+
+@torch.no_grad()
+def forward_logprobs(step: Any, parts: list[nn.Module], batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each batch's per-token log-probs of its labels through the step's forward-only path (every
+    layout's, pipeline included), in eval mode (no dropout, LoRA's included) under no_grad; a
+    pipeline stage before the last gets a 0-dim 0 for each."""
+    loss_fn, modes = step.loss_fn, [part.training for part in parts]
+    step.loss_fn = _reference_logprobs
+    for part in parts:
+        part.eval()
+    try:
+        return [step.eval_loss_sum(batch) for batch in batches]
+    finally:
+        step.loss_fn = loss_fn
+        for part, mode in zip(parts, modes):
+            part.train(mode)
+
+
+class Precomputed:
+    """preference.reference = precomputed: the reference's log-prob sums of every pair (chosen,
+    rejected) of the training and held-out samples, [pairs, 2] float32 and no weights, computed in
+    one forward-only pass of the starting model before the first step (after any initial load) and
+    saved with every checkpoint beside the data cursor, so a resumed run reads them back rather than
+    computing them from weights that have moved on. The samples write them into their labels."""
+
+    resumed_only_from_itself = True
+    """A resumed checkpoint must hold them (CheckpointManager.load refuses one that does not)."""
+
+    def __init__(self, datasets: list[PairSamples]) -> None:
+        self.datasets = datasets
+        self.logps = torch.zeros(sum(len(d.pairs) for d in datasets), 2)
+        self.taken = False
+        start = 0
+        for d in datasets:
+            d.reference = self.logps[start:start + len(d.pairs)]
+            start += len(d.pairs)
+
+    def __len__(self) -> int:  # saved with every checkpoint (CheckpointManager.optional)
+        return 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"logps": self.logps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.logps.copy_(sd["logps"])
+        self.taken = True
+
+    def compute(self, step: Any, parts: list[nn.Module], prepare: Callable[[dict], dict], local_batch_size: int,
+                dp_rank: int, dp: int, once: bool, device: torch.device) -> None:
+        """The pass, unless a resume read the sums: each data-parallel rank's share of the samples in
+        micro-batches of the training's shape (the last padded with rows that hold no target), the
+        sums of each response's log-probs by its pair, added up over every rank (a tensor-parallel
+        group's counted on its first rank, `once`; a pipeline's on its last stage)."""
+        if self.taken:
+            return
+        step, found = getattr(step, "inner", step), []
+        for d in self.datasets:
+            per_row = d.seq_len + d.seq_len % 2  # a row holds fewer responses than positions
+            blank = d[0]
+            blank["labels"][..., TOKEN], blank["labels"][..., RESPONSE], blank["labels"][..., PAIR] = IGNORE_INDEX, -1, 0
+            batches = -(-d.num_samples // (dp * local_batch_size))  # every rank the same count of forwards
+            for first in range(dp_rank * local_batch_size, batches * dp * local_batch_size, dp * local_batch_size):
+                gs = range(first, min(first + local_batch_size, d.num_samples))
+                rows = [d[g] for g in gs] + [blank] * (local_batch_size - len(gs))
+                batch = prepare({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+                lp = forward_logprobs(step, parts, [batch])[0]
+                if lp.ndim == 2 and once:
+                    response = batch["labels"][..., RESPONSE]
+                    segments = torch.where(response >= 0, response + per_row * torch.arange(len(rows),
+                                           device=lp.device)[:, None], -1)
+                    sums = segment_sums(lp, segments, len(rows) * per_row).view(len(rows), -1, 2).cpu()
+                    found += [(d.reference, d.pair_ids(g), sums[i]) for i, g in enumerate(gs)]
+        for table, ids, sums in found:
+            table[ids] += sums[:len(ids)]
+        total = self.logps.to(device)
+        dist.all_reduce(total)
+        self.logps.copy_(total.cpu())
+        self.taken = True
 
 
 class PreferenceStep:
@@ -249,17 +333,8 @@ class PreferenceStep:
         if self.reference is None:
             return
         # one switch to the reference for all the step's micro-batches (a frozen copy is swapped in once)
-        loss_fn, modes = self.inner.loss_fn, [part.training for part in self.parts]
-        self.inner.loss_fn = _reference_logprobs
-        for part in self.parts:
-            part.eval()  # no dropout in the reference (LoRA's included)
-        try:
-            with torch.no_grad(), self.reference():
-                logprobs = [self.inner.eval_loss_sum(batch) for batch in batches]
-        finally:
-            self.inner.loss_fn = loss_fn
-            for part, mode in zip(self.parts, modes):
-                part.train(mode)
+        with self.reference():
+            logprobs = forward_logprobs(self.inner, self.parts, batches)
         for batch, lp in zip(batches, logprobs):
             if lp.ndim == 2:  # a pipeline stage before the last computes no loss: its labels go unread
                 batch["labels"][..., REFERENCE] = lp.view(torch.int32).to(torch.int64)

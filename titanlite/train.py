@@ -285,7 +285,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                               local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
                               schedule=plan.schedule)
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
-    reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
+    validator = build_validator(cfg, plan, meshes)
+    reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional,  # before a resume
+                                        [loader.dataset, *([validator.loader.dataset] if validator.loader else [])])
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -316,15 +318,16 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
              restarted and restarted.line(start_step, ft is not None, rerun))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
-    data_iter = iter(loader)
-    validator = build_validator(cfg, plan, meshes)
     evaluator = Evaluator(cfg.eval, plan.tokenizer, t.seq_len, dp_rank, dims.dp, meshes.loss_group)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
+    once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
+    if isinstance(precomputed := ckpt.optional.get("reference"), preference.Precomputed):  # before the loader's workers
+        precomputed.compute(train_step, parts, prepare, t.local_batch_size, dp_rank, dims.dp, once, device)
+    data_iter = iter(loader)
     metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, restarted)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
-    once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
     epoch = getattr(loader.dataset, "epoch", None)  # streamed sources do not know their length
     epoch_of = None if epoch is None else lambda n: epoch(loader.batch_sampler.first_sample(n))
@@ -372,7 +375,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             guard.phase("validation")
             val_start = time.perf_counter()
             metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device),
-                                   preference.held_out(loss_fn, once))
+                                   preference.held_out(loss_fn, once, device))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
         if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score), timed as validation is
             guard.phase("validation")

@@ -135,6 +135,9 @@ class PairSamples(ChatSamples):
             raise ConfigError(f"training.seq_len {seq_len}: no pair fits in one sample (both responses together); "
                               "raise training.seq_len")
         self.seq_len, self.pad_id, self.pairs = seq_len, pad_id, kept
+        self.reference: torch.Tensor | None = None
+        """preference.reference = precomputed: each kept pair's reference log-prob sums [pairs, 2],
+        written into the REFERENCE channel at each response's first target (titanlite.preference)."""
         self.chats = [c for pair in kept for c in pair]  # pair k's responses: chats 2 k and 2 k + 1
         self.rows = [[2 * k + r for k in row for r in (0, 1)]
                      for row in pack([sum(len(ids) - 1 for ids, _ in pair) for pair in kept], seq_len)]
@@ -153,7 +156,15 @@ class PairSamples(ChatSamples):
         first = (response >= 0) & (response % 2 == 0) & (response != response.roll(1))
         zero = torch.zeros_like(tokens)
         x["labels"] = torch.stack([tokens, response, first.long(), zero, zero], -1)
+        if self.reference is not None:  # a response's sum at its first target: the loss sums the channel
+            starts = (response >= 0) & (response != response.roll(1))
+            ids = torch.tensor(self.pair_ids(g), dtype=torch.long)[response[starts] // 2]
+            x["labels"][starts, REFERENCE] = self.reference[ids, response[starts] % 2].view(torch.int32).long()
         return x
+
+    def pair_ids(self, g: int) -> list[int]:
+        """The kept pairs global sample g holds, in their order there."""
+        return [c // 2 for c in self.rows[self.position(g)][::2]]
 
     def note(self) -> str:
         return (f"{len(self.pairs):,} preference pairs in {self.num_samples:,} samples of {self.seq_len} tokens "
