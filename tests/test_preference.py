@@ -223,13 +223,16 @@ def test_preference_rows_and_their_bad_input(tmp_path):
 
 def test_the_dry_run_traces_the_reference_forward(capsys):
     """A preference job's dry run traces the reference's forward beside the policy's forward and
-    backward: more FLOPs than the reference-free simpo on the same job."""
+    backward: more FLOPs than the reference-free simpo on the same job; a precomputed reference
+    (computed once before the first step) adds none to a step."""
     from titanlite.dryrun.run import main
     flops = {}
-    for loss in ("dpo", "simpo"):
-        main(["--config", "dpo_debug.toml", "--preference.loss", loss])
-        flops[loss] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
+    for name, args in {"dpo": [], "simpo": ["--preference.loss", "simpo"],
+                       "precomputed": ["--preference.reference", "precomputed"]}.items():
+        main(["--config", "dpo_debug.toml", *args])
+        flops[name] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
     assert flops["dpo"] > 1.2 * flops["simpo"], flops
+    assert flops["precomputed"] == flops["simpo"], flops
 
 
 def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment():

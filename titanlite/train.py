@@ -287,7 +287,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     validator = build_validator(cfg, plan, meshes)
     reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional,  # before a resume
-                                        [loader.dataset, *([validator.loader.dataset] if validator.loader else [])])
+                                        [loader.dataset, *([] if validator.loader is None else [validator.loader.dataset])])
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
