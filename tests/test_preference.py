@@ -183,6 +183,16 @@ def test_pairs_are_packed_whole_with_response_only_targets():
                           for g in range(samples.num_samples))
 
 
+def test_the_builtin_set_is_paired_within_each_split():
+    """The built-in set's held-out pairs share no response with its training pairs (but the few
+    docstrings two functions share): paired across the split, every held-out chosen answer was a
+    training rejected one and every held-out rejected a training chosen one."""
+    from titanlite.data.pairs import builtin_pairs
+    train, val = builtin_pairs(0.05, "train"), builtin_pairs(0.05, "val")
+    texts = [{row[f][0]["content"] for _, row in pairs for f in ("chosen", "rejected")} for pairs in (train, val)]
+    assert len(val) > 150 and len(texts[0] & texts[1]) < 0.05 * len(val), len(texts[0] & texts[1])
+
+
 def test_preference_rows_and_their_bad_input(tmp_path):
     """TRL's conversational rows render with the chat template, the prompt never a target; each bad
     row or setting is one line naming it."""
@@ -207,10 +217,11 @@ def test_preference_rows_and_their_bad_input(tmp_path):
     data = Data(format="preference", tokenizer="byte_chat", document_mask=True)
     for p, lora, line in [(Preference(reference="model"), True, "copy the model needlessly"),
                           (Preference(beta=0.0), True, "beta must be > 0"),
-                          (Preference(), False, "needs LoRA"),
-                          (Preference(reference="precomputed"), False, "not implemented yet")]:
+                          (Preference(), False, "needs LoRA")]:
         with pytest.raises(ConfigError, match=line):
             check_preference(p, data, lora)
+    for lora in (True, False):  # precomputed sums serve either
+        check_preference(Preference(reference="precomputed"), data, lora)
     with pytest.raises(ConfigError, match="schedule ZBVZeroBubble cannot run the reference pass"):
         check_preference(Preference(), data, True, pp_schedule="ZBVZeroBubble")
     with pytest.raises(ConfigError, match="set training.z_loss = 0"):
@@ -273,9 +284,10 @@ def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment
 
 
 def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_path):
-    """A full fine-tune's reference (preference.reference = model) is its starting weights: resumed from
-    a checkpoint without one (here a reference-free simpo run's), it would be taken from the resumed
-    weights, another model, silently. Refused in one line naming the route."""
+    """A full fine-tune's reference (preference.reference = model, or its precomputed sums) is its
+    starting weights': resumed from a checkpoint without one (here a reference-free simpo run's), it
+    would be taken from the resumed weights, another model, silently. Refused in one line naming
+    the route."""
     from harness import TINY, launch, train
     from test_preference_layouts import write_pairs
 
@@ -284,7 +296,8 @@ def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_pat
             "--data.tokenizer", "byte_chat", "--data.document_mask", "true", "--checkpoint.enable", "true",
             "--checkpoint.interval", "2", "--training.steps", "2"]
     train(1, [*base, "--preference.loss", "simpo", "--preference.reference", "model"], dump=tmp_path / "run")
-    run = launch(1, [*base, "--preference.reference", "model", "--training.steps", "4"], dump=tmp_path / "run")
-    assert run.returncode != 0
-    line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
-    assert "checkpoint.initial_load_path" in line, line
+    for kind in ("model", "precomputed"):  # precomputed: the sums would be the resumed weights' too
+        run = launch(1, [*base, "--preference.reference", kind, "--training.steps", "4"], dump=tmp_path / "run")
+        assert run.returncode != 0
+        line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
+        assert "checkpoint.initial_load_path" in line, line

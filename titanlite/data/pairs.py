@@ -52,11 +52,13 @@ def _messages(value: object, where: str, field: str) -> list[dict]:
     return check_messages([value] if isinstance(value, dict) else value, where, field)
 
 
-def builtin_pairs() -> list[tuple[str, dict]]:
-    """The built-in preference set: each chat of the built-in chat set becomes a pair whose prompt
-    is its first question, chosen its own first answer and rejected the first answer of the chat
-    half the set away (another function's docstring)."""
-    chats = stdlib_chats()
+def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]:
+    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat becomes
+    a pair whose prompt is its first question, chosen its own first answer and rejected the first
+    answer of the chat half the split away (another function's docstring). Paired within a split:
+    paired across it, each held-out pair's chosen answer was a training pair's rejected one and its
+    rejected a training pair's chosen, so training alone drove the held-out accuracy below chance."""
+    chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
     out = []
     for k, (where, chat) in enumerate(chats):
         first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
@@ -104,10 +106,12 @@ def _render(hf, row: dict, where: str) -> Pair:
 
 
 @functools.lru_cache(maxsize=8)  # the train and val loaders share one rendering pass
-def read_pairs(path: str, split: str, tokenizer: Tokenizer, name: str) -> tuple[Pair, ...]:
-    """Every pair of a source (the built-in set for an empty path), checked and rendered."""
+def read_pairs(path: str, split: str, tokenizer: Tokenizer, name: str, builtin: tuple[float, str] = (0.0, "train")
+               ) -> tuple[Pair, ...]:
+    """Every pair of a source (for an empty path, the built-in set's split `builtin`: holdout
+    fraction, train or val), checked and rendered."""
     check_template(tokenizer, name)
-    rows = builtin_pairs() if not path else _rows(path, split)
+    rows = builtin_pairs(*builtin) if not path else _rows(path, split)
     pairs = tuple(_render(tokenizer.hf, row, where) for where, row in rows)
     if not pairs:
         raise ConfigError(f"data.path: no preference pairs in {source_name(path)}")
@@ -175,6 +179,9 @@ class PairSamples(ChatSamples):
 def pair_samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: tuple[int, ...] = ()
                  ) -> PairSamples:
     """The packed samples of one split of a preference source (data.holdout_fraction: the last pairs)."""
-    pairs = split_chats(read_pairs(cfg.path, cfg.split, tokenizer, cfg.tokenizer), cfg.holdout_fraction, split)
+    if cfg.path:
+        pairs = split_chats(read_pairs(cfg.path, cfg.split, tokenizer, cfg.tokenizer), cfg.holdout_fraction, split)
+    else:  # split before pairing (builtin_pairs)
+        pairs = read_pairs("", cfg.split, tokenizer, cfg.tokenizer, (cfg.holdout_fraction, split))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     return PairSamples(pairs, seq_len, pad, cfg.shuffle, cfg.seed, source)
