@@ -10,7 +10,10 @@ the loss does not depend on the layout or the micro-batch split.
 The reference's per-token log-probs are computed by the step itself, before the policy's forward:
 the same step's forward-only path (every layout's, pipeline included), in eval mode under no_grad,
 with the LoRA adapters off (preference.reference = lora) or with the starting weights swapped in
-(model), written into the labels' REFERENCE channel, which the loss sums like the policy's.
+(model), written into the labels' REFERENCE channel, which the loss sums like the policy's. With
+preference.reference = precomputed, each pair's two reference sums are computed once before the
+first step (Precomputed) and the samples carry them in that channel, one at each response's first
+target. The SFT term (sft_weight) gets its weight from the step too, in the SFT channel.
 """
 
 from __future__ import annotations

@@ -346,7 +346,6 @@ class PipelineStep:
                 return torch.zeros((), device=batch["labels"].device)
             return self.loss_fn(logits, batch["labels"])
 
-
     @torch.no_grad()
     def _first_forward(self, args: tuple, kwargs: dict, labels: torch.Tensor) -> torch.Tensor | None:
         """A forward-only pass before the schedule's first step (a preference run's reference pass),
