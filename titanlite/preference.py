@@ -295,7 +295,8 @@ class Precomputed:
         for d in self.datasets:
             per_row = d.seq_len + d.seq_len % 2  # a row holds fewer responses than positions
             blank = d[0]
-            blank["labels"][..., TOKEN], blank["labels"][..., RESPONSE], blank["labels"][..., PAIR] = IGNORE_INDEX, -1, 0
+            labels = blank["labels"]
+            labels[..., TOKEN], labels[..., RESPONSE], labels[..., PAIR] = IGNORE_INDEX, -1, 0
             batches = -(-d.num_samples // (dp * local_batch_size))  # every rank the same count of forwards
             for first in range(dp_rank * local_batch_size, batches * dp * local_batch_size, dp * local_batch_size):
                 gs = range(first, min(first + local_batch_size, d.num_samples))

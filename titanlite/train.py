@@ -286,8 +286,9 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                               schedule=plan.schedule)
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
     validator = build_validator(cfg, plan, meshes)
+    held = [] if validator.loader is None else [validator.loader.dataset]
     reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional,  # before a resume
-                                        [loader.dataset, *([] if validator.loader is None else [validator.loader.dataset])])
+                                        [loader.dataset, *held])
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
