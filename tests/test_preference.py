@@ -26,7 +26,7 @@ from titanlite.layers.attention import AttnSetup
 from titanlite.loss import IGNORE_INDEX, token_logprobs
 from titanlite.models.llama3 import SPEC
 from titanlite.models.llama3.model import Transformer
-from titanlite.preference import PreferenceLoss, pair_logps, pair_losses
+from titanlite.preference import PreferenceLoss, fill_sft, pair_logps, pair_losses
 
 VOCAB = 96
 CONFIG = dict(hidden_size=48, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -78,13 +78,14 @@ def _trl_inputs(pairs: tuple) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
 
 
-def _trl_dpo(kind: str, beta: float, policy, ref, inputs) -> torch.Tensor:
+def _trl_dpo(kind: str, beta: float, policy, ref, inputs, sft: float = 0.0) -> torch.Tensor:
     """DPOTrainer._compute_loss itself on `policy` and `ref` (fused heads added as the trainer does)."""
     identity = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x,
                                      unwrap_model=lambda m: m)
     trainer = types.SimpleNamespace(
         model=policy, ref_model=ref, accelerator=identity, aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=False, f_divergence_type="reverse_kl", loss_types=[kind], loss_weights=[1.0], beta=beta,
+        precompute_ref_logps=False, f_divergence_type="reverse_kl", loss_types=[kind, "sft"] if sft else [kind],
+        loss_weights=[1.0, sft] if sft else [1.0], beta=beta,
         use_weighting=False, label_smoothing=0.0, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         _total_train_tokens=0, _tp_size=1, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None))
     return DPOTrainer._compute_loss(trainer, policy, inputs, False)
@@ -101,11 +102,12 @@ def _trl_simpo(beta: float, gamma: float, policy, inputs) -> torch.Tensor:
     return CPOTrainer.cpo_loss(trainer, chosen, rejected)[0].mean()
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "dpo_norm"])
-def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
+@pytest.mark.parametrize("kind,sft", [("dpo", 0.0), ("ipo", 0.0), ("simpo", 0.0), ("dpo_norm", 0.0), ("dpo", 0.7)])
+def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind, sft):
     """Pairs packed several per sample (document masks) through titanlite's model give TRL 1.16's loss
     (its own DPOTrainer / CPOTrainer code over a padded [chosen; rejected] batch of the same
-    transformers model) and the same gradient on every weight, within 1e-5."""
+    transformers model) and the same gradient on every weight, within 1e-5; with sft_weight, TRL's
+    loss_type [sigmoid, sft] and loss_weights [1, sft_weight] (its mean over the batch's chosen tokens)."""
     pairs = _pairs(7)
     policy, ref = _hf(0), _hf(1)  # a reference unlike the policy: the log-ratios are not 0
     ours, args = _ours(policy)
@@ -119,7 +121,8 @@ def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
     with torch.no_grad():
         ref_lp = token_logprobs(ours_ref(batch["input_ids"], ctx), labels[..., TOKEN])
     labels[..., REFERENCE] = ref_lp.view(torch.int32).to(torch.int64)
-    p = Preference(loss=kind, beta=0.5, gamma=0.3)
+    p = Preference(loss=kind, beta=0.5, gamma=0.3, sft_weight=sft)
+    fill_sft([labels], None)
     loss = PreferenceLoss(p)(ours(batch["input_ids"], ctx), labels) / target_count(labels)
     loss.backward()
     trl_kind = {"dpo": "sigmoid", "dpo_norm": "sigmoid_norm"}.get(kind, kind)
@@ -129,13 +132,13 @@ def test_loss_and_every_gradient_equal_trl_on_the_same_model_and_batch(kind):
     else:
         add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
         add_fused_lm_head(ref)
-        theirs = _trl_dpo(trl_kind, p.beta, policy, ref, inputs)
+        theirs = _trl_dpo(trl_kind, p.beta, policy, ref, inputs, sft)
     theirs.backward()
     assert abs(loss.item() - theirs.item()) <= 1e-5, (loss.item(), theirs.item())
     grads = SPEC.hf.to_hf({n: q.grad for n, q in ours.named_parameters()}, args)
     worst = max((grads[n] - q.grad).abs().max().item() for n, q in policy.named_parameters())
     assert max(q.grad.abs().max().item() for q in policy.parameters()) > 1e-3  # gradients that can differ
-    print(f"{kind}: loss {loss.item():.7f} vs TRL {theirs.item():.7f}, worst gradient difference {worst:.1e}")
+    print(f"{kind} sft {sft}: loss {loss.item():.7f} vs TRL {theirs.item():.7f}, worst gradient difference {worst:.1e}")
     assert worst <= 1e-5
 
 
@@ -180,6 +183,16 @@ def test_pairs_are_packed_whole_with_response_only_targets():
                           for g in range(samples.num_samples))
 
 
+def test_the_builtin_set_is_paired_within_each_split():
+    """The built-in set's held-out pairs share no response with its training pairs (but the few
+    docstrings two functions share): paired across the split, every held-out chosen answer was a
+    training rejected one and every held-out rejected a training chosen one."""
+    from titanlite.data.pairs import builtin_pairs
+    train, val = builtin_pairs(0.05, "train"), builtin_pairs(0.05, "val")
+    texts = [{row[f][0]["content"] for _, row in pairs for f in ("chosen", "rejected")} for pairs in (train, val)]
+    assert len(val) > 150 and len(texts[0] & texts[1]) < 0.05 * len(val), len(texts[0] & texts[1])
+
+
 def test_preference_rows_and_their_bad_input(tmp_path):
     """TRL's conversational rows render with the chat template, the prompt never a target; each bad
     row or setting is one line naming it."""
@@ -202,13 +215,15 @@ def test_preference_rows_and_their_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="prompt alone is"):
         pair_samples(cfg, tok, 8, "train")
     data = Data(format="preference", tokenizer="byte_chat", document_mask=True)
-    for p, lora, pp, line in [(Preference(reference="model"), True, 1, "copy the model needlessly"),
-                              (Preference(beta=0.0), True, 1, "beta must be > 0"),
-                              (Preference(), False, 1, "needs LoRA"),
-                              (Preference(reference="precomputed"), False, 1, "not implemented yet"),
-                              (Preference(), True, 2, "pipeline_parallel_degree = 1")]:
+    for p, lora, line in [(Preference(reference="model"), True, "copy the model needlessly"),
+                          (Preference(beta=0.0), True, "beta must be > 0"),
+                          (Preference(), False, "needs LoRA")]:
         with pytest.raises(ConfigError, match=line):
-            check_preference(p, data, lora, pp)
+            check_preference(p, data, lora)
+    for lora in (True, False):  # precomputed sums serve either
+        check_preference(Preference(reference="precomputed"), data, lora)
+    with pytest.raises(ConfigError, match="schedule ZBVZeroBubble cannot run the reference pass"):
+        check_preference(Preference(), data, True, pp_schedule="ZBVZeroBubble")
     with pytest.raises(ConfigError, match="set training.z_loss = 0"):
         check_preference(Preference(), data, True, z_loss=1e-4)
     with pytest.raises(ConfigError, match="would split preference pairs"):
@@ -219,13 +234,16 @@ def test_preference_rows_and_their_bad_input(tmp_path):
 
 def test_the_dry_run_traces_the_reference_forward(capsys):
     """A preference job's dry run traces the reference's forward beside the policy's forward and
-    backward: more FLOPs than the reference-free simpo on the same job."""
+    backward: more FLOPs than the reference-free simpo on the same job; a precomputed reference
+    (computed once before the first step) adds none to a step."""
     from titanlite.dryrun.run import main
     flops = {}
-    for loss in ("dpo", "simpo"):
-        main(["--config", "dpo_debug.toml", "--preference.loss", loss])
-        flops[loss] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
+    for name, args in {"dpo": [], "simpo": ["--preference.loss", "simpo"],
+                       "precomputed": ["--preference.reference", "precomputed"]}.items():
+        main(["--config", "dpo_debug.toml", *args])
+        flops[name] = float(re.search(r"FLOPs per step ([0-9.e+]+)", capsys.readouterr().out).group(1))
     assert flops["dpo"] > 1.2 * flops["simpo"], flops
+    assert flops["precomputed"] == flops["simpo"], flops
 
 
 def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment():
@@ -266,9 +284,10 @@ def test_adapters_off_is_the_base_model_bit_for_bit_and_log_probs_sum_by_segment
 
 
 def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_path):
-    """A full fine-tune's reference (preference.reference = model) is its starting weights: resumed from
-    a checkpoint without one (here a reference-free simpo run's), it would be taken from the resumed
-    weights, another model, silently. Refused in one line naming the route."""
+    """A full fine-tune's reference (preference.reference = model, or its precomputed sums) is its
+    starting weights': resumed from a checkpoint without one (here a reference-free simpo run's), it
+    would be taken from the resumed weights, another model, silently. Refused in one line naming
+    the route."""
     from harness import TINY, launch, train
     from test_preference_layouts import write_pairs
 
@@ -277,7 +296,8 @@ def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_pat
             "--data.tokenizer", "byte_chat", "--data.document_mask", "true", "--checkpoint.enable", "true",
             "--checkpoint.interval", "2", "--training.steps", "2"]
     train(1, [*base, "--preference.loss", "simpo", "--preference.reference", "model"], dump=tmp_path / "run")
-    run = launch(1, [*base, "--preference.reference", "model", "--training.steps", "4"], dump=tmp_path / "run")
-    assert run.returncode != 0
-    line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
-    assert "checkpoint.initial_load_path" in line, line
+    for kind in ("model", "precomputed"):  # precomputed: the sums would be the resumed weights' too
+        run = launch(1, [*base, "--preference.reference", kind, "--training.steps", "4"], dump=tmp_path / "run")
+        assert run.returncode != 0
+        line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
+        assert "checkpoint.initial_load_path" in line, line

@@ -93,13 +93,16 @@ def build_step(cfg: JobConfig, plan: Plan, parts: list[nn.Module], meshes: Meshe
                 if opts.param_dtype != torch.float32 and not plan.dims.fsdp else contextlib.nullcontext())
     cp = context.ContextParallel.of(meshes.cp.get_group()) if plan.dims.cp > 1 else None
     attn = AttnSetup(cfg.model.attn_backend, tuple({plan.args.window(i) for i in range(plan.args.n_layers)}), cp)
+    sft = cfg.data.format == "preference" and cfg.preference.sft_weight > 0
     if plan.stages is None:
         return preference.wrap(PlainStep(parts[0], loss_fn, opts.loss_parallel, attn, meshes.dp_cp.get_group(),
-                                         autocast, across=None if replicas is None else replicas.count), parts, reference)
+                                         autocast, across=None if replicas is None else replicas.count), parts,
+                               reference, sft, meshes.dp_cp.get_group())
     shapes = pipeline.stage_shapes(plan.spec, plan.args, cfg.parallelism.pipeline_parallel_microbatch_size,
                                    cfg.training.seq_len, plan.dims, opts)
     return preference.wrap(pipeline.PipelineStep(parts, plan.stages, cfg.parallelism.pipeline_parallel_schedule,
-                                                 meshes, loss_fn, opts, attn, autocast, device, shapes), parts, reference)
+                                                 meshes, loss_fn, opts, attn, autocast, device, shapes), parts,
+                           reference, sft, meshes.dp_cp.get_group())
 
 
 @dataclass(frozen=True)
@@ -283,8 +286,11 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
                                     local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dims.dp,
                                     schedule=plan.schedule))
     ckpt, window, tally = build_checkpointer(cfg, plan, parts, optimizers, loader, meshes, device)
-    reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional)  # before a resume
-    rl_reference = rl.reference_of(cfg, parts[0], ckpt.optional) if cfg.rl.enable else None  # so too
+    validator = build_validator(cfg, plan, meshes)
+    held = [] if validator.loader is None else [validator.loader.dataset]
+    reference = preference.reference_of(cfg.preference, cfg.data.format, parts, ckpt.optional,  # before a resume
+                                        [loader.dataset, *held])
+    rl_reference = rl.reference_of(cfg, parts[0], ckpt.optional) if cfg.rl.enable else None  # before a resume too
     if cfg.checkpoint.create_seed_checkpoint:
         ckpt.save_seed()
         return None
@@ -316,15 +322,16 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
              restarted and restarted.line(start_step, ft is not None, rerun))
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
-    data_iter = iter(loader)
-    validator = build_validator(cfg, plan, meshes)
     evaluator = Evaluator(cfg.eval, plan.tokenizer, t.seq_len, dp_rank, dims.dp, meshes.loss_group)
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
+    once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
+    if isinstance(precomputed := ckpt.optional.get("reference"), preference.Precomputed):  # before the loader's workers
+        precomputed.compute(train_step, parts, prepare, t.local_batch_size, dp_rank, dims.dp, once, device)
+    data_iter = iter(loader)
     metrics, throughput, stragglers = open_metrics(cfg, plan, device, start_step, restarted)
     profiler = Profiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     gc_control.start(t.gc_freq)
     stop_line, verdict = None, guard.verdict
-    once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     referee = GuardReferee(guard, ckpt, cfg.optimizer.implementation == "fused", once, cfg.metrics.log_freq, t.steps)
     # streamed sources do not know their length; a GRPO run's idle loader has no epochs to count
     epoch = None if rollouts else getattr(loader.dataset, "epoch", None)
@@ -373,7 +380,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             guard.phase("validation")
             val_start = time.perf_counter()
             metrics.log_validation(step, validator(parts, prepare, train_step.eval_loss_sum, device),
-                                   preference.held_out(loss_fn, once))
+                                   preference.held_out(loss_fn, once, device))
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
         if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score)
             guard.phase("evaluation")

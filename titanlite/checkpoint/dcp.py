@@ -317,7 +317,8 @@ class CheckpointManager:
         states |= {k: v for k, v in self.optional.items() if any(n.startswith(f"{k}.") for n in meta.state_dict_metadata)}
         for key in [k for k, v in self.optional.items() if getattr(v, "resumed_only_from_itself", False) and k not in states]:
             raise ConfigError(f"{path} holds no {key} state, which this run must resume with (a preference run's frozen "
-                              "reference is its own starting weights, not the weights it resumes); start from the "
+                              "reference, or its precomputed log-probs, is its own starting weights', not the weights "
+                              "it resumes); start from the "
                               "checkpoint with checkpoint.initial_load_path instead, or give this run its own "
                               "job.dump_folder")
         check_state_fits(path, meta, states, info.get("config", {}), self.config)  # a config's difference, not a break

@@ -80,10 +80,13 @@ class Preference:
     gamma: float = 0.5
     """SimPO's target margin (used by simpo only)."""
     sft_weight: float = 0.0
-    """Weight of an SFT term on each chosen response (its mean target-token negative log-prob)."""
+    """Weight of an SFT term: the mean negative log-prob of the chosen responses' target tokens over
+    the step's global batch (TRL's loss_type sft with this loss weight)."""
     reference: str = "lora"
     """lora (the same model with its adapters off; needs [lora]), model (a frozen copy of the
-    starting weights, sharded as the policy) or precomputed (not yet implemented)."""
+    starting weights, sharded as the policy) or precomputed (the reference's log-prob sums of every
+    pair, two floats each, computed before the first step and saved with each checkpoint; LoRA or
+    full fine-tuning, no reference forward in the steps)."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,8 @@ def _check_chat(d: Data) -> None:
         raise ConfigError("data.messages_field is empty; name the field that holds each row's messages")
 
 
-def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1, z_loss: float = 0.0,
-                     seq_warmup: bool = False) -> None:
+def check_preference(p: Preference, d: Data, lora: bool, z_loss: float = 0.0,
+                     seq_warmup: bool = False, pp_schedule: str = "") -> None:
     """The [preference] section's values and what it needs of the rest, before any file is read."""
     if d.format != "preference":
         return
@@ -194,22 +197,22 @@ def check_preference(p: Preference, d: Data, lora: bool, pp: int = 1, z_loss: fl
     if seq_warmup:
         raise ConfigError("training.seq_warmup cuts samples into shorter rows, which would split preference "
                           "pairs; leave training.seq_warmup out with data.format preference")
-    if pp > 1:
-        raise ConfigError("data.format preference does not run pipeline parallel yet (the reference pass would "
-                          "run before the schedule's first step sets up its stages); set "
-                          "parallelism.pipeline_parallel_degree = 1")
     if not p.beta > 0:
         raise ConfigError(f"preference.beta must be > 0, got {p.beta}")
     if p.sft_weight < 0:
         raise ConfigError(f"preference.sft_weight must be >= 0, got {p.sft_weight}")
     if p.loss == "simpo":
         return  # reference-free: preference.reference is not read
+    if pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+        # the reference pass of step 1 comes before any training run of the schedule, and only the
+        # schedule's own forward-only run (eval) can set its stages up, which V schedules cannot run
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule {pp_schedule} cannot run the reference pass of "
+                          f"preference.loss {p.loss} before its first step (torch runs a V schedule's backward "
+                          "actions in its forward-only run); use 1F1B, GPipe, Interleaved1F1B or another "
+                          "schedule without a V")
     if p.reference == "model" and lora:
         raise ConfigError("preference.reference = model with LoRA would copy the model needlessly: the LoRA "
                           "model with its adapters off is the reference; set preference.reference = lora")
     if p.reference == "lora" and not lora:
         raise ConfigError("preference.reference = lora needs LoRA (lora.rank > 0); for full fine-tuning set "
                           "preference.reference = model")
-    if p.reference == "precomputed":
-        raise ConfigError("preference.reference = precomputed is not implemented yet; use lora (with LoRA) or "
-                          "model (full fine-tuning)")

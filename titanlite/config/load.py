@@ -284,8 +284,9 @@ def check_config(cfg: JobConfig) -> None:
     if cfg.rl.enable and cfg.data.format == "preference":
         raise ConfigError("rl.enable: a GRPO run's data are its rollouts, not preference pairs; "
                           "set data.format = \"text\" (or \"chat\") or rl.enable = false")
-    check_preference(cfg.preference, cfg.data, cfg.lora.rank > 0, cfg.parallelism.pipeline_parallel_degree,
-                     t.z_loss, bool(t.seq_warmup))
+    pp = cfg.parallelism
+    check_preference(cfg.preference, cfg.data, cfg.lora.rank > 0, t.z_loss, bool(t.seq_warmup),
+                     pp.pipeline_parallel_schedule if pp.pipeline_parallel_degree > 1 else "")
     check_eval(cfg.eval)
     if cfg.data.tokenizer not in ("byte", "byte_chat") and not Path(cfg.data.tokenizer).is_dir():
         raise ConfigError(f"data.tokenizer: '{cfg.data.tokenizer}' is not 'byte', 'byte_chat' or a folder")

@@ -12,8 +12,10 @@ A preference sample's labels are [seq_len, LABEL_CHANNELS], not [seq_len]: the l
 gets a sample's labels split as its tokens are, so what the pair loss needs per position travels in
 them: TOKEN (the label, IGNORE_INDEX outside responses), RESPONSE (2 p for the chosen response of
 the sample's pair p, 2 p + 1 for its rejected, -1 outside responses), PAIR (1 at the first target of
-each chosen response: the sum over a step's labels is its pair count, whatever the split) and
-REFERENCE (the reference model's log-prob of the label, float32 bits, filled by the step).
+each chosen response: the sum over a step's labels is its pair count, whatever the split),
+REFERENCE (the reference model's log-prob of the label, float32 bits, filled by the step) and SFT
+(with preference.sft_weight, at each chosen response's targets: the step's pair count over its
+chosen target count, float32 bits, filled by the step: the SFT term's weight, whatever the split).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from titanlite.data.sources import iter_records, source_name
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import ConfigError
 
-TOKEN, RESPONSE, PAIR, REFERENCE = range(4)
-LABEL_CHANNELS = 4
+TOKEN, RESPONSE, PAIR, REFERENCE, SFT = range(5)
+LABEL_CHANNELS = 5
 FIELDS = ("prompt", "chosen", "rejected")
 Pair = tuple[Chat, Chat]
 
@@ -50,11 +52,13 @@ def _messages(value: object, where: str, field: str) -> list[dict]:
     return check_messages([value] if isinstance(value, dict) else value, where, field)
 
 
-def builtin_pairs() -> list[tuple[str, dict]]:
-    """The built-in preference set: each chat of the built-in chat set becomes a pair whose prompt
-    is its first question, chosen its own first answer and rejected the first answer of the chat
-    half the set away (another function's docstring)."""
-    chats = stdlib_chats()
+def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]:
+    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat becomes
+    a pair whose prompt is its first question, chosen its own first answer and rejected the first
+    answer of the chat half the split away (another function's docstring). Paired within a split:
+    paired across it, each held-out pair's chosen answer was a training pair's rejected one and its
+    rejected a training pair's chosen, so training alone drove the held-out accuracy below chance."""
+    chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
     out = []
     for k, (where, chat) in enumerate(chats):
         first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
@@ -102,10 +106,12 @@ def _render(hf, row: dict, where: str) -> Pair:
 
 
 @functools.lru_cache(maxsize=8)  # the train and val loaders share one rendering pass
-def read_pairs(path: str, split: str, tokenizer: Tokenizer, name: str) -> tuple[Pair, ...]:
-    """Every pair of a source (the built-in set for an empty path), checked and rendered."""
+def read_pairs(path: str, split: str, tokenizer: Tokenizer, name: str, builtin: tuple[float, str] = (0.0, "train")
+               ) -> tuple[Pair, ...]:
+    """Every pair of a source (for an empty path, the built-in set's split `builtin`: holdout
+    fraction, train or val), checked and rendered."""
     check_template(tokenizer, name)
-    rows = builtin_pairs() if not path else _rows(path, split)
+    rows = builtin_pairs(*builtin) if not path else _rows(path, split)
     pairs = tuple(_render(tokenizer.hf, row, where) for where, row in rows)
     if not pairs:
         raise ConfigError(f"data.path: no preference pairs in {source_name(path)}")
@@ -133,6 +139,9 @@ class PairSamples(ChatSamples):
             raise ConfigError(f"training.seq_len {seq_len}: no pair fits in one sample (both responses together); "
                               "raise training.seq_len")
         self.seq_len, self.pad_id, self.pairs = seq_len, pad_id, kept
+        self.reference: torch.Tensor | None = None
+        """preference.reference = precomputed: each kept pair's reference log-prob sums [pairs, 2],
+        written into the REFERENCE channel at each response's first target (titanlite.preference)."""
         self.chats = [c for pair in kept for c in pair]  # pair k's responses: chats 2 k and 2 k + 1
         self.rows = [[2 * k + r for k in row for r in (0, 1)]
                      for row in pack([sum(len(ids) - 1 for ids, _ in pair) for pair in kept], seq_len)]
@@ -149,8 +158,17 @@ class PairSamples(ChatSamples):
         response = torch.where(tokens != IGNORE_INDEX, x["document_ids"], -1)
         # a response's targets are its last tokens, in one run: a chosen one's first starts a run
         first = (response >= 0) & (response % 2 == 0) & (response != response.roll(1))
-        x["labels"] = torch.stack([tokens, response, first.long(), torch.zeros_like(tokens)], -1)
+        zero = torch.zeros_like(tokens)
+        x["labels"] = torch.stack([tokens, response, first.long(), zero, zero], -1)
+        if self.reference is not None:  # a response's sum at its first target: the loss sums the channel
+            starts = (response >= 0) & (response != response.roll(1))
+            ids = torch.tensor(self.pair_ids(g), dtype=torch.long)[response[starts] // 2]
+            x["labels"][starts, REFERENCE] = self.reference[ids, response[starts] % 2].view(torch.int32).long()
         return x
+
+    def pair_ids(self, g: int) -> list[int]:
+        """The kept pairs global sample g holds, in their order there."""
+        return [c // 2 for c in self.rows[self.position(g)][::2]]
 
     def note(self) -> str:
         return (f"{len(self.pairs):,} preference pairs in {self.num_samples:,} samples of {self.seq_len} tokens "
@@ -161,6 +179,9 @@ class PairSamples(ChatSamples):
 def pair_samples(cfg: Data, tokenizer: Tokenizer, seq_len: int, split: str, source: tuple[int, ...] = ()
                  ) -> PairSamples:
     """The packed samples of one split of a preference source (data.holdout_fraction: the last pairs)."""
-    pairs = split_chats(read_pairs(cfg.path, cfg.split, tokenizer, cfg.tokenizer), cfg.holdout_fraction, split)
+    if cfg.path:
+        pairs = split_chats(read_pairs(cfg.path, cfg.split, tokenizer, cfg.tokenizer), cfg.holdout_fraction, split)
+    else:  # split before pairing (builtin_pairs)
+        pairs = read_pairs("", cfg.split, tokenizer, cfg.tokenizer, (cfg.holdout_fraction, split))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     return PairSamples(pairs, seq_len, pad, cfg.shuffle, cfg.seed, source)

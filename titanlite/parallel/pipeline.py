@@ -241,6 +241,7 @@ class PipelineStep:
         self._tie(ids)
         self._sums: list[torch.Tensor] = []
         self._n_targets: torch.Tensor | None = None
+        self._ran = False  # the schedule has set its stages up (its first run does)
         self.extra = ExtraLosses()
         self.extra.bind(self.parts)
 
@@ -298,6 +299,8 @@ class PipelineStep:
         return cls(stages, n_microbatches=self.plan.n_microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # the schedule's own forward-only run (_first_forward): not the step's
+            return logits.new_zeros(())
         loss = self.loss_fn(logits, labels, self.extra)
         self._sums.append(loss.detach())
         return loss / self._n_targets
@@ -322,6 +325,7 @@ class PipelineStep:
                 with loss_context(self.opts.loss_parallel), self.autocast, self._compile_options():
                     self.schedule.step(*args, target=batch["labels"] if self.is_last else None,
                                        return_outputs=False, **kwargs)
+        self._ran = True
         self._sum_tied_grads()
         zero = torch.zeros((), device=self._n_targets.device)
         return StepOutput(torch.stack(self._sums).sum() if self._sums else zero, self._n_targets, extra)
@@ -337,7 +341,8 @@ class PipelineStep:
     def eval_loss_sum(self, batch: Batch) -> torch.Tensor:
         args, kwargs = self._inputs(batch)
         with loss_context(self.opts.loss_parallel), self.autocast:
-            logits = forward_only(self.stages, self.plan.n_microbatches, args, kwargs)
+            logits = (forward_only(self.stages, self.plan.n_microbatches, args, kwargs) if self._ran
+                      else self._first_forward(args, kwargs, batch["labels"]))
             if logits is None:
                 return torch.zeros((), device=batch["labels"].device)
             return self.loss_fn(logits, batch["labels"])
@@ -361,11 +366,37 @@ class PipelineStep:
                     out[start:start + n] = token_logprobs(logits, piece["labels"])[:n]
         return out
 
+    @torch.no_grad()
+    def _first_forward(self, args: tuple, kwargs: dict, labels: torch.Tensor) -> torch.Tensor | None:
+        """A forward-only pass before the schedule's first step (a preference run's reference pass),
+        whose stages forward_only cannot run yet: the schedule sets them up in its first run, here
+        its own forward-only one (eval). The last stage's logits, else None."""
+        logits = self.schedule.eval(*args, target=labels if self.is_last else None, **kwargs)
+        self._ran = True
+        for stage in self.stages:
+            _trainable_receives(stage)
+            for module in stage.submod.modules():
+                if isinstance(module, FSDPModule):  # as forward_only leaves them
+                    module.reshard()
+        return logits if self.is_last else None
+
 
 def _rows(x: torch.Tensor, start: int, n: int, size: int, labels: bool) -> torch.Tensor:
     """Rows start .. start + n of x, then row 0 again up to `size` rows (labels: none scored)."""
     fill = x[:1].expand(size - n, *x.shape[1:])
     return torch.cat([x[start:start + n], torch.full_like(fill, IGNORE_INDEX) if labels else fill])
+
+
+def _trainable_receives(stage: PipelineStage) -> None:
+    """torch 2.11 makes a stage's receive buffers in the schedule's first run and has them require
+    grad only if that run has a backward: after a forward-only first run (eval) they never do, and
+    the previous stage gets no gradient back. They are made to, as a first training run would
+    (private: torch has no public way); newer torch (2.15, whose buffers have take_buffer) decides
+    per run and is left alone."""
+    for infos in getattr(stage, "args_recv_info", {}).values():
+        for info in infos:
+            if isinstance(getattr(info, "buffer", None), torch.Tensor) and not hasattr(info, "take_buffer"):
+                info.buffer.requires_grad_(True)
 
 
 class _Scale(torch.autograd.Function):
