@@ -5,7 +5,8 @@ through the pipeline on the last stage, matches too, and so do the [eval] tasks'
 
 import pytest
 import torch
-from harness import TINY, assert_eval_parity, assert_grad_parity, assert_parity, reference, train
+from harness import (TINY, assert_eval_parity, assert_grad_parity, assert_parity, blank_task, eval_rows, reference,
+                     train)
 
 from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
@@ -17,9 +18,10 @@ BASE = [*TINY, "--training.global_batch_size", "8", "--data.holdout_fraction", "
         "--validation.freq", "5", "--validation.steps", "1"]
 # [eval] tasks scored through the stages (forward only, the last stage's sums all-reduced) in two
 # layouts: 12 multiple-choice requests and 3 texts (uneven over 2 data-parallel ranks); each
-# eval batch of 3 runs as pieces of the stages' local batch (2, 8), the last one filled
-EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval", "5", "--eval.limit", "3",
-        "--eval.batch_size", "3"]
+# eval batch of 3 runs as pieces of the stages' local batch (2, 8), the last one filled; 3 blank
+# prompts generated 8 tokens each, whole rows through the stages (the reference: generate's cache)
+EVAL = ["--eval.tasks", f"stdlib_which,stdlib_doc_bpb,{blank_task()}", "--eval.interval", "5", "--eval.limit", "3",
+        "--eval.batch_size", "3", "--eval.max_new_tokens", "8"]
 REF = [*BASE, "--training.local_batch_size", "8", *EVAL]
 
 
@@ -87,7 +89,8 @@ def test_pp_layouts(layout):
     ref, run = reference(REF), train(nproc, [*BASE, *extra])
     assert_matches(ref, run)
     if "--eval.tasks" in extra:
-        assert assert_eval_parity(ref, run) == 2 * 4
+        assert assert_eval_parity(ref, run) == 2 * 5
+        assert 0 < eval_rows(ref)[0]["eval/blank/exact_match"] < 1  # some prompts match, some not: tokens could differ
 
 
 def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():
