@@ -59,15 +59,15 @@ def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, e
     """What the loop cannot score, refused before launch: exact match without pipeline parallel
     generates one token at a time on the training model, which sequence parallel and MoE blocks
     under tensor parallel (each tp rank routes its own share of the sequence) cannot run; with it,
-    whole rows at the training shape, whose last position context parallel would give one cp rank
-    (not tried)."""
+    whole rows at the training shape, not tried with context parallel or MoE under tensor parallel."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
     exact = [t.name for t in tasks if t.kind == "exact"]
-    if exact and pp > 1 and cp > 1:
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline and context "
-                          "parallel together; drop it from eval.tasks or score it with python -m titanlite.eval")
+    if exact and pp > 1 and (cp > 1 or ep > 1 and tp > 1):
+        with_ = "context parallel" if cp > 1 else "MoE blocks under tensor parallel"
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline parallel with "
+                          f"{with_} (not tried); drop it from eval.tasks or score it with python -m titanlite.eval")
     if exact and pp > 1:
         return
     if exact and tp > 1 and sequence_parallel:
