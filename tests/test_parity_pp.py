@@ -23,6 +23,8 @@ BASE = [*TINY, "--training.global_batch_size", "8", "--data.holdout_fraction", "
 EVAL = ["--eval.tasks", f"stdlib_which,stdlib_doc_bpb,{blank_task()}", "--eval.interval", "5", "--eval.limit", "3",
         "--eval.batch_size", "3", "--eval.max_new_tokens", "8"]
 REF = [*BASE, "--training.local_batch_size", "8", *EVAL]
+BLANK = ["--eval.tasks", EVAL[1].split(",")[-1], *EVAL[2:]]
+"""EVAL's exact-match task alone."""
 
 
 def pp(degree: int, schedule: str, microbatch: int, local: int) -> list[str]:
@@ -98,12 +100,15 @@ def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():
     launch (docs/recipes.md): the z-loss, with the loss in chunks of 10 tokens (the reference takes
     it whole), its value matching at every step too; a batch warm-up, 4 samples (one run of the
     schedule per step) until step 3, then 8 (two runs)."""
-    docs = [*BASE, "--data.document_mask", "true", "--training.z_loss", "1e-3", "--training.batch_warmup", "4:3"]
+    docs = [*BASE, "--data.document_mask", "true", "--training.z_loss", "1e-3", "--training.batch_warmup", "4:3",
+            *BLANK]
     ref = reference([*docs, "--training.local_batch_size", "4"])
     run = train(8, [*docs, *pp(2, CP_SCHEDULE, 2, 4), "--parallelism.context_parallel_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"],
                 env={"TITANLITE_TEST_HOOK": f"chunk_bytes={4 * 256 * 10}"}, module="tests.ckpt_hooks")
     assert_matches(ref, run)
+    assert assert_eval_parity(ref, run) == 2  # exact match: each row's last position on one cp rank
+    assert 0 < eval_rows(ref)[0]["eval/blank/exact_match"] < 1
     assert "warm-up steps 1-3: 4 x 64 tokens, 1 micro-batch(es) of 4 per rank" in run.output
     assert min(r["z_loss"] for r in ref.metrics) > 1e-2  # 1e-3 x logsumexp^2, logsumexp near log(512)
     assert_parity([r["z_loss"] for r in ref.metrics], [r["z_loss"] for r in run.metrics])

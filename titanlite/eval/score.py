@@ -12,8 +12,9 @@ process on any layout. Exact-match prompts go through titanlite.generate.generat
 training model (its logits gathered whole under loss parallel), split the same way, each rank
 running max_new_tokens decode steps; context-parallel ranks generate the same prompts on the
 whole sequence. Under pipeline parallel, whose stages run only the training shape, there is no
-cache: each step runs every row (prompt and tokens so far) whole through the stages, and the last
-stage's greedy token at each row's last position reaches every rank by the same all-reduce.
+cache: each step runs every row (prompt and tokens so far) whole through the stages (its sequence
+sharded as training's under context parallel), and the greedy token at each row's last position,
+on the last stage (and the cp rank holding it), reaches every rank by the same all-reduce.
 Nothing here draws from the training RNG or reads the training data.
 """
 
@@ -54,20 +55,20 @@ def load_tasks(cfg: Eval) -> list[Task]:
     return out
 
 
-def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int, cp: int,
+def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int,
                  sequence_parallel: bool) -> None:
     """What the loop cannot score, refused before launch: exact match without pipeline parallel
     generates one token at a time on the training model, which sequence parallel and MoE blocks
     under tensor parallel (each tp rank routes its own share of the sequence) cannot run; with it,
-    whole rows at the training shape, not tried with context parallel or MoE under tensor parallel."""
+    whole rows at the training shape, not tried with MoE blocks under tensor parallel."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
     exact = [t.name for t in tasks if t.kind == "exact"]
-    if exact and pp > 1 and (cp > 1 or ep > 1 and tp > 1):
-        with_ = "context parallel" if cp > 1 else "MoE blocks under tensor parallel"
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline parallel with "
-                          f"{with_} (not tried); drop it from eval.tasks or score it with python -m titanlite.eval")
+    if exact and pp > 1 and tp > 1 and ep > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline parallel with MoE "
+                          "blocks under tensor parallel (not tried); drop it from eval.tasks or score it with "
+                          "python -m titanlite.eval")
     if exact and pp > 1:
         return
     if exact and tp > 1 and sequence_parallel:
@@ -169,7 +170,8 @@ class Evaluator:
                            device: torch.device) -> float:
         """exact_match under pipeline parallel (the module doc): `steps` forwards of the whole rows
         per batch on every rank, the chosen tokens summed over the loss group (zeros off the last
-        stage) in one [dp, batch] tensor, each data-parallel rank's rows in its own line."""
+        stage, and on the context-parallel ranks that do not hold a row's last position) in one
+        [dp, batch] tensor, each data-parallel rank's rows in its own line."""
         tok, steps, size, length = self.tokenizer, self.cfg.max_new_tokens, self.cfg.batch_size, self.seq_len
         hits = torch.zeros(len(task.rows), dtype=torch.float64, device=device)
         for idx in _batches(len(task.rows), self.dp_rank, self.dp_degree, size):
@@ -188,7 +190,7 @@ class Evaluator:
                     seq.append(token)
             for i, seq in zip(idx, rows_so_far):
                 hits[i] = float(first_line(tok.decode(seq[-steps:])) == task.rows[i]["answer"].strip())
-        dist.all_reduce(hits, dist.ReduceOp.MAX, group=self.group)  # the pipeline ranks hold the same hits
+        dist.all_reduce(hits, dist.ReduceOp.MAX, group=self.group)  # pp and cp ranks hold the same hits
         return hits.mean().item()
 
     def __call__(self, parts: list[nn.Module], prepare: Callable[[dict], dict],
