@@ -214,7 +214,8 @@ def test_lm_eval_matches_hf(tmp_path, monkeypatch):
 def test_in_loop_scores_add_up_over_ranks(monkeypatch):
     """Evaluator on 'rank 0 of 2' and 'rank 1 of 2' (the all-reduce left out) sum to the one-process
     values: log-likelihoods of a multiple-choice task and exact match over 5 prompts (3 and 2),
-    whose answers are the model's own greedy first lines for prompts 0, 1, 2 and wrong for 3, 4."""
+    whose answers are the model's own greedy first lines for prompts 0, 1, 2 and wrong for 3, 4;
+    exact match the pipeline's way too (whole rows each step, no cache), the same."""
     from titanlite.config.eval import Eval
     from titanlite.data.tokenizer import ByteTokenizer
     from titanlite.eval.requests import first_line, task_requests
@@ -240,15 +241,20 @@ def test_in_loop_scores_add_up_over_ranks(monkeypatch):
         from titanlite.loss import token_logprobs
         return token_logprobs(model(batch["input_ids"]), batch["labels"])
 
+    def rows(batch, fn, dtype):  # one pipeline stage: the model's logits of the whole rows, no cache
+        return fn(model(batch["input_ids"]), batch["labels"]).to(dtype)
+
     def scores(rank, degree):
         ev = Evaluator(Eval(tasks=[], batch_size=2, max_new_tokens=steps), tok, 64, rank, degree, None)
         lls = ev.log_likelihoods(task_requests(choice, tok.encode, tok.eos_id, 64), lambda b: b, logits_of,
                                  torch.device("cpu"))
-        return lls, ev.exact_match(exact, model, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        return lls, ev.exact_match(exact, model, cpu), ev.exact_match_staged(exact, rows, lambda b: b, cpu)
 
     one, (a, b) = scores(0, 1), (scores(0, 2), scores(1, 2))
-    assert one[1] == 0.6 and a[1] + b[1] == pytest.approx(0.6)  # 3 of 5: the right answers, each counted once
-    assert a[1] == pytest.approx(0.4) and b[1] == pytest.approx(0.2)
+    for k in (1, 2):  # generate's cached steps, then the pipeline's whole rows: the same greedy tokens
+        assert one[k] == 0.6 and a[k] + b[k] == pytest.approx(0.6)  # 3 of 5: the right answers, each counted once
+        assert a[k] == pytest.approx(0.4) and b[k] == pytest.approx(0.2)
     torch.testing.assert_close(a[0] + b[0], one[0], rtol=1e-6, atol=0)
     assert (a[0] != 0).sum() == 8 and (b[0] != 0).sum() == 7  # 15 requests: 8 and 7
 

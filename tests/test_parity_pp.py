@@ -5,7 +5,8 @@ through the pipeline on the last stage, matches too, and so do the [eval] tasks'
 
 import pytest
 import torch
-from harness import TINY, assert_eval_parity, assert_grad_parity, assert_parity, reference, train
+from harness import (TINY, assert_eval_parity, assert_grad_parity, assert_parity, blank_task, eval_rows, reference,
+                     train)
 
 from titanlite.config import load as config_load
 from titanlite.errors import ConfigError
@@ -17,10 +18,13 @@ BASE = [*TINY, "--training.global_batch_size", "8", "--data.holdout_fraction", "
         "--validation.freq", "5", "--validation.steps", "1"]
 # [eval] tasks scored through the stages (forward only, the last stage's sums all-reduced) in two
 # layouts: 12 multiple-choice requests and 3 texts (uneven over 2 data-parallel ranks); each
-# eval batch of 3 runs as pieces of the stages' local batch (2, 8), the last one filled
-EVAL = ["--eval.tasks", "stdlib_which,stdlib_doc_bpb", "--eval.interval", "5", "--eval.limit", "3",
-        "--eval.batch_size", "3"]
+# eval batch of 3 runs as pieces of the stages' local batch (2, 8), the last one filled; 3 blank
+# prompts generated 8 tokens each, whole rows through the stages (the reference: generate's cache)
+EVAL = ["--eval.tasks", f"stdlib_which,stdlib_doc_bpb,{blank_task()}", "--eval.interval", "5", "--eval.limit", "3",
+        "--eval.batch_size", "3", "--eval.max_new_tokens", "8"]
 REF = [*BASE, "--training.local_batch_size", "8", *EVAL]
+BLANK = ["--eval.tasks", EVAL[1].split(",")[-1], *EVAL[2:]]
+"""EVAL's exact-match task alone."""
 
 
 def pp(degree: int, schedule: str, microbatch: int, local: int) -> list[str]:
@@ -87,7 +91,8 @@ def test_pp_layouts(layout):
     ref, run = reference(REF), train(nproc, [*BASE, *extra])
     assert_matches(ref, run)
     if "--eval.tasks" in extra:
-        assert assert_eval_parity(ref, run) == 2 * 4
+        assert assert_eval_parity(ref, run) == 2 * 5
+        assert 0 < eval_rows(ref)[0]["eval/blank/exact_match"] < 1  # some prompts match, some not: tokens could differ
 
 
 def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():
@@ -95,12 +100,15 @@ def test_pp2_cp2_tp2_with_document_masking_z_loss_and_batch_warmup():
     launch (docs/recipes.md): the z-loss, with the loss in chunks of 10 tokens (the reference takes
     it whole), its value matching at every step too; a batch warm-up, 4 samples (one run of the
     schedule per step) until step 3, then 8 (two runs)."""
-    docs = [*BASE, "--data.document_mask", "true", "--training.z_loss", "1e-3", "--training.batch_warmup", "4:3"]
+    docs = [*BASE, "--data.document_mask", "true", "--training.z_loss", "1e-3", "--training.batch_warmup", "4:3",
+            *BLANK]
     ref = reference([*docs, "--training.local_batch_size", "4"])
     run = train(8, [*docs, *pp(2, CP_SCHEDULE, 2, 4), "--parallelism.context_parallel_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"],
                 env={"TITANLITE_TEST_HOOK": f"chunk_bytes={4 * 256 * 10}"}, module="tests.ckpt_hooks")
     assert_matches(ref, run)
+    assert assert_eval_parity(ref, run) == 2  # exact match: each row's last position on one cp rank
+    assert 0 < eval_rows(ref)[0]["eval/blank/exact_match"] < 1
     assert "warm-up steps 1-3: 4 x 64 tokens, 1 micro-batch(es) of 4 per rank" in run.output
     assert min(r["z_loss"] for r in ref.metrics) > 1e-2  # 1e-3 x logsumexp^2, logsumexp near log(512)
     assert_parity([r["z_loss"] for r in ref.metrics], [r["z_loss"] for r in run.metrics])

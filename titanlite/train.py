@@ -384,7 +384,8 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
             throughput.pause(time.perf_counter() - val_start)  # keep tokens_per_sec about training
         if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score)
             guard.phase("evaluation")
-            metrics.log_eval(step, scores := evaluator(parts, prepare, train_step.eval_logprobs, device))
+            metrics.log_eval(step, scores := evaluator(parts, prepare, train_step.eval_logprobs, device,
+                                                        train_step.eval_rows if plan.stages else None))
             throughput.pause(scores["eval/seconds"])
 
     gc_control.stop(t.gc_freq)

@@ -11,7 +11,10 @@ hold the same sums) gives every rank every request's value, so the metrics are t
 process on any layout. Exact-match prompts go through titanlite.generate.generate on the
 training model (its logits gathered whole under loss parallel), split the same way, each rank
 running max_new_tokens decode steps; context-parallel ranks generate the same prompts on the
-whole sequence.
+whole sequence. Under pipeline parallel, whose stages run only the training shape, there is no
+cache: each step runs every row (prompt and tokens so far) whole through the stages (its sequence
+sharded as training's under context parallel), and the greedy token at each row's last position,
+on the last stage (and the cp rank holding it), reaches every rank by the same all-reduce.
 Nothing here draws from the training RNG or reads the training data.
 """
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from titanlite.config.eval import BUILTIN_TASKS, Eval
 from titanlite.data.packing import IGNORE_INDEX
@@ -53,16 +57,20 @@ def load_tasks(cfg: Eval) -> list[Task]:
 
 def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int,
                  sequence_parallel: bool) -> None:
-    """What the loop cannot score, refused before launch: exact match generates one token at a time
-    on the training model, which pipeline stages, sequence parallel and MoE blocks under tensor
-    parallel (each tp rank routes its own share of the sequence) cannot run."""
+    """What the loop cannot score, refused before launch: exact match without pipeline parallel
+    generates one token at a time on the training model, which sequence parallel and MoE blocks
+    under tensor parallel (each tp rank routes its own share of the sequence) cannot run; with it,
+    whole rows at the training shape, not tried with MoE blocks under tensor parallel."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
     exact = [t.name for t in tasks if t.kind == "exact"]
+    if exact and pp > 1 and tp > 1 and ep > 1:
+        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline parallel with MoE "
+                          "blocks under tensor parallel (not tried); drop it from eval.tasks or score it with "
+                          "python -m titanlite.eval")
     if exact and pp > 1:
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which pipeline "
-                          "stages do not run; drop it from eval.tasks or score it with python -m titanlite.eval")
+        return
     if exact and tp > 1 and sequence_parallel:
         raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which sequence "
                           "parallel cannot split over the tensor-parallel ranks; set parallelism.sequence_parallel "
@@ -71,6 +79,28 @@ def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, e
         raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which MoE "
                           "blocks under tensor parallel cannot split (each tensor-parallel rank routes its own "
                           "share of the sequence); drop it from eval.tasks or score it with python -m titanlite.eval")
+
+
+# a pipeline step's eval_rows: fn(logits, labels) of a prepared batch, [rows, seq] of a dtype
+StageRows = Callable[[dict, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.dtype], torch.Tensor]
+
+
+def greedy_at_marks(logits: torch.Tensor, marks: torch.Tensor) -> torch.Tensor:
+    """[rows, seq]: the greedy token (the first of equal logits, as generate picks) at each position
+    whose mark is not IGNORE_INDEX, 0 elsewhere. Vocabulary-sharded logits (loss parallel) are
+    gathered at those positions only, not the whole batch's."""
+    at = (marks != IGNORE_INDEX).nonzero(as_tuple=True)
+    picked = (logits.to_local() if isinstance(logits, DTensor) else logits)[at]
+    if isinstance(logits, DTensor):
+        if any(isinstance(p, Shard) and p.dim % logits.ndim != logits.ndim - 1 for p in logits.placements):
+            raise ValueError(f"exact match: logits sharded as {logits.placements}, not on the vocabulary")
+        vocab = logits.shape[-1]
+        picked = DTensor.from_local(picked, logits.device_mesh, [Shard(1) if p.is_shard() else p
+                                                                 for p in logits.placements],
+                                    shape=(len(picked), vocab), stride=(vocab, 1)).full_tensor()
+    out = torch.zeros_like(marks)
+    out[at] = picked.float().argmax(-1)
+    return out
 
 
 def _batches(n: int, rank: int, degree: int, size: int) -> list[list[int]]:
@@ -136,9 +166,38 @@ class Evaluator:
         dist.all_reduce(hits, dist.ReduceOp.MAX, group=self.group)
         return hits.mean().item()
 
+    def exact_match_staged(self, task: Task, rows: StageRows, prepare: Callable[[dict], dict],
+                           device: torch.device) -> float:
+        """exact_match under pipeline parallel (the module doc): `steps` forwards of the whole rows
+        per batch on every rank, the chosen tokens summed over the loss group (zeros off the last
+        stage, and on the context-parallel ranks that do not hold a row's last position) in one
+        [dp, batch] tensor, each data-parallel rank's rows in its own line."""
+        tok, steps, size, length = self.tokenizer, self.cfg.max_new_tokens, self.cfg.batch_size, self.seq_len
+        hits = torch.zeros(len(task.rows), dtype=torch.float64, device=device)
+        for idx in _batches(len(task.rows), self.dp_rank, self.dp_degree, size):
+            rows_so_far = [([tok.eos_id] + tok.encode(task.rows[i]["prompt"]))[-(length - steps):] for i in idx]
+            for _ in range(steps):
+                ids = torch.zeros(size, length, dtype=torch.long)
+                marks = torch.full((size, length), IGNORE_INDEX, dtype=torch.long)
+                for row, seq in enumerate(rows_so_far):
+                    ids[row, :len(seq)] = torch.tensor(seq)
+                    marks[row, len(seq) - 1] = 0  # the position whose next token is picked
+                chosen = torch.zeros(self.dp_degree, size, dtype=torch.long, device=device)
+                chosen[self.dp_rank] = rows(prepare({"input_ids": ids, "labels": marks}), greedy_at_marks,
+                                            torch.long).sum(1)
+                dist.all_reduce(chosen, group=self.group)
+                for seq, token in zip(rows_so_far, chosen[self.dp_rank].tolist()):
+                    seq.append(token)
+            for i, seq in zip(idx, rows_so_far):
+                hits[i] = float(first_line(tok.decode(seq[-steps:])) == task.rows[i]["answer"].strip())
+        dist.all_reduce(hits, dist.ReduceOp.MAX, group=self.group)  # pp and cp ranks hold the same hits
+        return hits.mean().item()
+
     def __call__(self, parts: list[nn.Module], prepare: Callable[[dict], dict],
-                 logprobs: Callable[[dict], torch.Tensor], device: torch.device) -> dict[str, float]:
-        """{"eval/<task>/<metric>": value, ..., "eval/seconds": this evaluation's time}."""
+                 logprobs: Callable[[dict], torch.Tensor], device: torch.device,
+                 rows: StageRows | None = None) -> dict[str, float]:
+        """{"eval/<task>/<metric>": value, ..., "eval/seconds": this evaluation's time}. `rows`: the
+        pipeline step's eval_rows, under pipeline parallel (exact match runs through it)."""
         start = time.perf_counter()
         for part in parts:
             part.eval()
@@ -146,7 +205,8 @@ class Evaluator:
         with torch.no_grad():
             for task in self.tasks:
                 if task.kind == "exact":
-                    out[f"eval/{task.name}/exact_match"] = self.exact_match(task, parts[0], device)
+                    out[f"eval/{task.name}/exact_match"] = (self.exact_match(task, parts[0], device) if rows is None
+                                                            else self.exact_match_staged(task, rows, prepare, device))
                     continue
                 if task.kind == "lm_eval":  # titanlite.eval.lmtasks: lm-eval's requests and metrics
                     out.update(task.metrics(self.tokenizer, self.seq_len, self.cfg.limit,

@@ -353,9 +353,15 @@ class PipelineStep:
         in-loop evaluation's all-reduce over the pipeline ranks (titanlite.eval.score) adds to
         the last stage's. The stages take training.local_batch_size rows (static shapes): the
         batch runs in pieces of that many, the last one filled with row 0 and no labels."""
+        return self.eval_rows(batch, token_logprobs, torch.float32)
+
+    def eval_rows(self, batch: Batch, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor:
+        """fn(logits, labels) of a prepared batch as eval_logprobs runs it ([rows, seq] of `dtype`,
+        zeros off the last stage): token_logprobs there, greedy tokens for exact match."""
         labels = batch["labels"]
         rows, size = labels.shape[0], self.plan.n_microbatches * self.shapes.tokens[0]
-        out = torch.zeros(labels.shape, device=labels.device)
+        out = torch.zeros(labels.shape, dtype=dtype, device=labels.device)
         for start in range(0, rows, size):
             n = min(size, rows - start)
             piece = {k: _rows(v, start, n, size, k == "labels") if v.shape[0] == rows else v for k, v in batch.items()}
@@ -363,7 +369,7 @@ class PipelineStep:
             with loss_context(self.opts.loss_parallel), self.autocast:
                 logits = forward_only(self.stages, self.plan.n_microbatches, args, kwargs)
                 if logits is not None:
-                    out[start:start + n] = token_logprobs(logits, piece["labels"])[:n]
+                    out[start:start + n] = fn(logits, piece["labels"])[:n]
         return out
 
     @torch.no_grad()
