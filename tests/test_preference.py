@@ -188,15 +188,18 @@ def test_the_builtin_set_is_paired_within_each_split():
     docstrings two functions share): paired across the split, every held-out chosen answer was a
     training rejected one and every held-out rejected a training chosen one. Each chosen answer
     repeats a word of its question's function name and no rejected one does (what a small model can
-    learn from the question in 100 steps); those without such a word are left out."""
+    learn from the question in 100 steps); those without such a word are left out. The rejected
+    answer is within 10% of the chosen one's length."""
     from titanlite.data.pairs import builtin_pairs, name_words
     train, val = builtin_pairs(0.05, "train"), builtin_pairs(0.05, "val")
     texts = [{row[f][0]["content"] for _, row in pairs for f in ("chosen", "rejected")} for pairs in (train, val)]
     assert len(val) > 150 and len(texts[0] & texts[1]) < 0.05 * len(val), len(texts[0] & texts[1])
-    assert (len(train), len(val)) == (2637, 168)  # of 3,811 and 201 chats
+    assert (len(train), len(val)) == (2637, 167)  # of 3,811 and 201 chats
     for where, row in train + val:
         name = name_words(where.rsplit(", ", 1)[1])
-        assert name & name_words(row["chosen"][0]["content"]) and not name & name_words(row["rejected"][0]["content"])
+        chosen, rejected = row["chosen"][0]["content"], row["rejected"][0]["content"]
+        assert name & name_words(chosen) and not name & name_words(rejected)
+        assert abs(len(chosen) - len(rejected)) <= len(chosen) // 10
     assert name_words("Return the ZipFile's bytes, is_zipfile") == {"return", "the", "zip", "file", "bytes", "zipfile"}
 
 

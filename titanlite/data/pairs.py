@@ -63,11 +63,14 @@ def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]
     """The built-in preference set's `split` (split_chats of the built-in chat set): each chat whose
     first answer repeats a word of its function's qualified name becomes a pair whose prompt is its
     first question, chosen that answer and rejected the first answer of a chat from half the split
-    away on that repeats none (another function's docstring). So the question tells the two apart,
-    a preference that carries to unseen pairs (every answer is the chosen of one pair and may be the
-    rejected of another, so what is learnt of an answer alone does not). Paired within a split:
-    paired across it, each held-out pair's chosen answer was a training pair's rejected one and its
-    rejected a training pair's chosen, so training alone drove the held-out accuracy below chance."""
+    away on that repeats none and is within 10% of its length (another function's docstring). So
+    the question tells the two apart, a preference that carries to unseen pairs (every answer is
+    the chosen one of its pair and may be the rejected one of another, so what is learnt of an
+    answer alone does not); the lengths match because a reward is a sum over tokens, so where DPO
+    lowers both responses a longer chosen one would read as a wrong preference. Paired within a
+    split: paired across it, each held-out pair's chosen answer was a training pair's rejected one
+    and its rejected a training pair's chosen, so training alone drove the held-out accuracy below
+    chance."""
     chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
     answers = [next(m for m in chat if m["role"] == "assistant") for _, chat in chats]
     out = []
@@ -76,8 +79,10 @@ def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]
         words = name_words(where.rsplit(", ", 1)[1])
         if not words & name_words(answers[k]["content"]):
             continue
-        wrong = next((a for i in range(len(chats)) if not words & name_words(
-            (a := answers[(k + len(chats) // 2 + i) % len(chats)])["content"])), None)
+        size = len(answers[k]["content"])
+        others = (answers[(k + len(chats) // 2 + i) % len(chats)] for i in range(len(chats)))
+        wrong = next((a for a in others if abs(len(a["content"]) - size) <= size // 10
+                      and not words & name_words(a["content"])), None)
         if wrong is None:
             continue
         out.append((where.replace("chat set", "preference set"),
