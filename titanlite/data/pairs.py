@@ -21,6 +21,7 @@ chosen target count, float32 bits, filled by the step: the SFT term's weight, wh
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -52,19 +53,37 @@ def _messages(value: object, where: str, field: str) -> list[dict]:
     return check_messages([value] if isinstance(value, dict) else value, where, field)
 
 
+def name_words(text: str) -> set[str]:
+    """The words of three or more letters or digits of a text, lowercased, a CamelCase name split:
+    what an answer must repeat of a question's function name to fit it (builtin_pairs)."""
+    return {w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", text).lower()) if len(w) > 2}
+
+
 def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]:
-    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat becomes
-    a pair whose prompt is its first question, chosen its own first answer and rejected the first
-    answer of the chat half the split away (another function's docstring). Paired within a split:
-    paired across it, each held-out pair's chosen answer was a training pair's rejected one and its
-    rejected a training pair's chosen, so training alone drove the held-out accuracy below chance."""
+    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat whose
+    first answer repeats a word of its function's qualified name becomes a pair whose prompt is its
+    first question, chosen that answer and rejected the first answer of a chat from half the split
+    away on that repeats none and is within 10% of its length (another function's docstring). So
+    the question tells the two apart, a preference that carries to unseen pairs (every answer is
+    the chosen one of its pair and may be the rejected one of another, so what is learnt of an
+    answer alone does not); the lengths match because a reward is a sum over tokens, so where DPO
+    lowers both responses a longer chosen one would read as a wrong preference. Paired within a
+    split: paired across it, each held-out pair's chosen answer was a training pair's rejected one
+    and its rejected a training pair's chosen, so training alone drove the held-out accuracy below
+    chance."""
     chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
+    answers = [next(m for m in chat if m["role"] == "assistant") for _, chat in chats]
     out = []
     for k, (where, chat) in enumerate(chats):
-        first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
-        other = chats[(k + len(chats) // 2) % len(chats)][1]
-        wrong = next(m for m in other if m["role"] == "assistant")
-        if wrong["content"] == chat[first]["content"]:
+        first = chat.index(answers[k])
+        words = name_words(where.rsplit(", ", 1)[1])
+        if not words & name_words(answers[k]["content"]):
+            continue
+        size = len(answers[k]["content"])
+        others = (answers[(k + len(chats) // 2 + i) % len(chats)] for i in range(len(chats)))
+        wrong = next((a for a in others if abs(len(a["content"]) - size) <= size // 10
+                      and not words & name_words(a["content"])), None)
+        if wrong is None:
             continue
         out.append((where.replace("chat set", "preference set"),
                     {"prompt": chat[:first], "chosen": [chat[first]], "rejected": [wrong]}))
