@@ -239,14 +239,6 @@ def _cases(f: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str], str]
                                            "--parallelism.expert_parallel_degree", "2"], {"NGPU": "4"},
                                           "eval.tasks: exact-match task stdlib_signature is not scored under pipeline "
                                           "parallel with MoE blocks under tensor parallel (not tried)"),
-        "eval_generate_under_sp": (["--eval.tasks", "stdlib_signature", "--parallelism.tensor_parallel_degree", "2"],
-                                   {"NGPU": "2"}, "eval.tasks: exact-match task stdlib_signature generates one token "
-                                   "at a time, which sequence parallel cannot split"),
-        "eval_generate_moe_under_tp": (["--model.name", "qwen3_moe", "--eval.tasks", "stdlib_signature",
-                                        "--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel",
-                                        "false", "--parallelism.expert_parallel_degree", "2"], {"NGPU": "2"},
-                                       "eval.tasks: exact-match task stdlib_signature generates one token at a time, "
-                                       "which MoE blocks under tensor parallel cannot split"),
     }
 
 
@@ -296,8 +288,8 @@ PREFLIGHT = ("model_name_path", "tp_above_world", "tp_heads", "replicate_above_w
              "pp_too_few_microbatches", "pp_stages_unplaceable", "load_step_missing", "initial_load_not_checkpoint",
              "data_empty_file", "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
              "val_steps_above_split", "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
-             "chat_no_target", "eval_task_no_data", "eval_bad_row", "eval_gold_range", "eval_generate_under_sp",
-             "eval_generate_moe_under_tp", "eval_generate_moe_under_pp_tp")
+             "chat_no_target", "eval_task_no_data", "eval_bad_row", "eval_gold_range",
+             "eval_generate_moe_under_pp_tp")
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +340,7 @@ GROUPS = {
                                  "chat_no_template", "chat_no_messages", "chat_unknown_role", "chat_empty_assistant",
                                  "chat_no_target"),
     "[eval] tasks": ("eval_interval_zero", "eval_task_no_data", "eval_bad_row", "eval_gold_range",
-                     "eval_generate_under_sp", "eval_generate_moe_under_tp", "eval_generate_moe_under_pp_tp"),
+                     "eval_generate_moe_under_pp_tp"),
     "found by reading files before launch": ("load_step_missing", "initial_load_not_checkpoint", "data_empty_file",
                                              "data_blank_jsonl", "train_split_below_batch", "val_split_below_batch",
                                              "val_steps_above_split"),

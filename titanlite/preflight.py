@@ -71,7 +71,7 @@ def preflight(cfg: JobConfig, world_size: int) -> Plan:
         check_split(cfg.fault_tolerance, plan.schedule, plan.dims.dp)
     if cfg.eval.tasks:  # every task's rows read and checked here, before launch
         d = plan.dims
-        check_layout(cfg.eval, load_tasks(cfg.eval), t.seq_len, d.pp, d.tp, d.ep, cfg.parallelism.sequence_parallel)
+        check_layout(cfg.eval, load_tasks(cfg.eval), t.seq_len, d.pp, d.tp, d.ep)
     return plan
 
 

@@ -103,3 +103,10 @@ class PlainStep:
         only: what in-loop evaluation (titanlite.eval.score) sums."""
         with loss_context(self.loss_parallel):
             return token_logprobs(self.logits(batch), batch["labels"])
+
+    def eval_rows(self, batch: Batch, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor:
+        """fn(logits, labels) of a prepared batch, forward only, as [rows, seq] of `dtype`: exact
+        match's greedy tokens where a decode step cannot run (titanlite.eval.score.by_whole_rows)."""
+        with loss_context(self.loss_parallel):
+            return fn(self.logits(batch), batch["labels"]).to(dtype)

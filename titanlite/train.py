@@ -32,7 +32,7 @@ from titanlite.data.loader import batches_of, build_dataloader, ignored_keys_not
 from titanlite.data.packing import data_counts, data_notes
 from titanlite.data.validation import Validator
 from titanlite.errors import ConfigError, RunError
-from titanlite.eval.score import Evaluator
+from titanlite.eval.score import Evaluator, by_whole_rows
 from titanlite.layers import init
 from titanlite.layers.attention import AttnSetup
 from titanlite.loss import LossFn, logged_terms
@@ -323,6 +323,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
     update = Update.of(parts, train_step, meshes.stage_ranks, t.max_norm, optimizers, hooks,
                        None if ft is None else ft.sync)
     evaluator = Evaluator(cfg.eval, plan.tokenizer, t.seq_len, dp_rank, dims.dp, meshes.loss_group)
+    whole_rows = by_whole_rows(dims.pp, dims.tp, dims.ep, cfg.parallelism.sequence_parallel)  # exact match's way
     prepare = Prepare(device, meshes.cp.get_local_rank(), dims.cp)
     once = meshes.tp.get_local_rank() == 0  # tp ranks hold the same loss sum: count it once
     if isinstance(precomputed := ckpt.optional.get("reference"), preference.Precomputed):  # before the loader's workers
@@ -385,7 +386,7 @@ def train(cfg: JobConfig, plan: Plan) -> str | None:
         if evaluator.due(step, t.steps):  # downstream tasks (titanlite.eval.score)
             guard.phase("evaluation")
             metrics.log_eval(step, scores := evaluator(parts, prepare, train_step.eval_logprobs, device,
-                                                        train_step.eval_rows if plan.stages else None))
+                                                        train_step.eval_rows if whole_rows else None))
             throughput.pause(scores["eval/seconds"])
 
     gc_control.stop(t.gc_freq)

@@ -11,7 +11,9 @@ hold the same sums) gives every rank every request's value, so the metrics are t
 process on any layout. Exact-match prompts go through titanlite.generate.generate on the
 training model (its logits gathered whole under loss parallel), split the same way, each rank
 running max_new_tokens decode steps; context-parallel ranks generate the same prompts on the
-whole sequence. Under pipeline parallel, whose stages run only the training shape, there is no
+whole sequence. Where a one-token decode step cannot run (`by_whole_rows`: pipeline stages run
+only the training shape, sequence parallel splits the sequence over the tensor-parallel ranks,
+MoE blocks under tensor parallel route each tp rank's own share of it), there is no
 cache: each step runs every row (prompt and tokens so far) whole through the stages (its sequence
 sharded as training's under context parallel), and the greedy token at each row's last position,
 on the last stage (and the cp rank holding it), reaches every rank by the same all-reduce.
@@ -55,12 +57,17 @@ def load_tasks(cfg: Eval) -> list[Task]:
     return out
 
 
-def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int,
-                 sequence_parallel: bool) -> None:
-    """What the loop cannot score, refused before launch: exact match without pipeline parallel
-    generates one token at a time on the training model, which sequence parallel and MoE blocks
-    under tensor parallel (each tp rank routes its own share of the sequence) cannot run; with it,
-    whole rows at the training shape, not tried with MoE blocks under tensor parallel."""
+def by_whole_rows(pp: int, tp: int, ep: int, sequence_parallel: bool) -> bool:
+    """Whether exact match runs whole rows at the training shape (Evaluator.exact_match_staged)
+    rather than a cached decode, one token a step, which pipeline stages, sequence parallel and MoE
+    blocks under tensor parallel (each tensor-parallel rank routes its own share of the sequence;
+    the decode hung there) cannot run."""
+    return pp > 1 or (tp > 1 and (sequence_parallel or ep > 1))
+
+
+def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, ep: int) -> None:
+    """What the loop cannot score, refused before launch: exact match with no room for a prompt,
+    and under pipeline parallel with MoE blocks under tensor parallel (not tried)."""
     if any(t.kind == "exact" for t in tasks) and cfg.max_new_tokens >= seq_len:
         raise ConfigError(f"eval.max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in training.seq_len "
                           f"{seq_len}; lower it")
@@ -69,19 +76,9 @@ def check_layout(cfg: Eval, tasks: list[Task], seq_len: int, pp: int, tp: int, e
         raise ConfigError(f"eval.tasks: exact-match task {exact[0]} is not scored under pipeline parallel with MoE "
                           "blocks under tensor parallel (not tried); drop it from eval.tasks or score it with "
                           "python -m titanlite.eval")
-    if exact and pp > 1:
-        return
-    if exact and tp > 1 and sequence_parallel:
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which sequence "
-                          "parallel cannot split over the tensor-parallel ranks; set parallelism.sequence_parallel "
-                          "= false or drop it from eval.tasks")
-    if exact and tp > 1 and ep > 1:
-        raise ConfigError(f"eval.tasks: exact-match task {exact[0]} generates one token at a time, which MoE "
-                          "blocks under tensor parallel cannot split (each tensor-parallel rank routes its own "
-                          "share of the sequence); drop it from eval.tasks or score it with python -m titanlite.eval")
 
 
-# a pipeline step's eval_rows: fn(logits, labels) of a prepared batch, [rows, seq] of a dtype
+# a step's eval_rows: fn(logits, labels) of a prepared batch, [rows, seq] of a dtype
 StageRows = Callable[[dict, Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.dtype], torch.Tensor]
 
 
