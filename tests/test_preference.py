@@ -311,3 +311,11 @@ def test_a_frozen_reference_resumes_only_from_a_checkpoint_that_holds_it(tmp_pat
         assert run.returncode != 0
         line = next(x for x in run.output.splitlines() if "holds no reference state" in x)
         assert "checkpoint.initial_load_path" in line, line
+    # the precomputed sums resumed over the same number of other pairs (the file's rows reversed)
+    train(1, [*base, "--preference.reference", "precomputed"], dump=tmp_path / "pre")
+    rows = (tmp_path / "pairs.jsonl").read_text().splitlines()
+    (tmp_path / "pairs.jsonl").write_text("".join(r + "\n" for r in reversed(rows)))
+    run = launch(1, [*base, "--preference.reference", "precomputed", "--training.steps", "4"], dump=tmp_path / "pre")
+    assert run.returncode != 0
+    line = next(x for x in run.output.splitlines() if "reference sums are of other pairs" in x)
+    assert line.startswith("titanlite: error:") and "checkpoint.initial_load_path" in line, line

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config.data import Preference
 from titanlite.config.job import JobConfig
+from titanlite.errors import ConfigError
 from titanlite.data.pairs import LABEL_CHANNELS, PAIR, REFERENCE, RESPONSE, SFT, TOKEN, PairSamples
 from titanlite.layers.lora import adapters_off
 from titanlite.loss import IGNORE_INDEX, ExtraLosses, LossFn, build_loss_fn, segment_sums, token_logprobs
@@ -268,6 +269,10 @@ class Precomputed:
         self.datasets = datasets
         self.logps = torch.zeros(sum(len(d.pairs) for d in datasets), 2)
         self.taken = False
+        # which pairs the rows are (each response's token count and id sum): a resume whose data
+        # holds other pairs, or the same in another order, would read another pair's sums
+        self.pairs = torch.tensor([[len(ids), int(torch.as_tensor(ids).sum())] for d in datasets for ids, _ in d.chats],
+                                  dtype=torch.int64).view(-1, 4)
         start = 0
         for d in datasets:
             d.reference = self.logps[start:start + len(d.pairs)]
@@ -277,9 +282,14 @@ class Precomputed:
         return 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"logps": self.logps}
+        return {"logps": self.logps, "pairs": self.pairs.clone()}  # a copy: the load fills it to compare
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if not torch.equal(sd["pairs"], self.pairs):
+            raise ConfigError("preference.reference = precomputed: the checkpoint's reference sums are of other pairs "
+                              "than this run's (data.path's rows, data.holdout_fraction or the pairs training.seq_len "
+                              "drops changed); resume with the data it was saved with, or start from its weights with "
+                              "checkpoint.initial_load_path")
         self.logps.copy_(sd["logps"])
         self.taken = True
 

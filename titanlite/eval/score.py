@@ -165,10 +165,10 @@ class Evaluator:
 
     def exact_match_staged(self, task: Task, rows: StageRows, prepare: Callable[[dict], dict],
                            device: torch.device) -> float:
-        """exact_match under pipeline parallel (the module doc): `steps` forwards of the whole rows
-        per batch on every rank, the chosen tokens summed over the loss group (zeros off the last
-        stage, and on the context-parallel ranks that do not hold a row's last position) in one
-        [dp, batch] tensor, each data-parallel rank's rows in its own line."""
+        """exact_match where a decode step cannot run (by_whole_rows; the module doc): `steps`
+        forwards of the whole rows per batch on every rank, the chosen tokens summed over the loss
+        group (zeros off the last stage, and on the context-parallel ranks that do not hold a row's
+        last position) in one [dp, batch] tensor, each data-parallel rank's rows in its own line."""
         tok, steps, size, length = self.tokenizer, self.cfg.max_new_tokens, self.cfg.batch_size, self.seq_len
         hits = torch.zeros(len(task.rows), dtype=torch.float64, device=device)
         for idx in _batches(len(task.rows), self.dp_rank, self.dp_degree, size):
@@ -194,7 +194,7 @@ class Evaluator:
                  logprobs: Callable[[dict], torch.Tensor], device: torch.device,
                  rows: StageRows | None = None) -> dict[str, float]:
         """{"eval/<task>/<metric>": value, ..., "eval/seconds": this evaluation's time}. `rows`: the
-        pipeline step's eval_rows, under pipeline parallel (exact match runs through it)."""
+        step's eval_rows where by_whole_rows holds (exact match runs through it)."""
         start = time.perf_counter()
         for part in parts:
             part.eval()
