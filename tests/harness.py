@@ -29,6 +29,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,6 +74,21 @@ class Run:
     @property
     def losses(self) -> list[float]:
         return [row["loss"] for row in self.metrics]
+
+
+@cache
+def _scratch() -> str:
+    """This process's folder for the tests' files, removed when it exits: a suite of runs leaves
+    nothing behind in the system's temporary folder (CI's disk filled with a few thousand runs'
+    dump folders). Ranks forked from this process run its exit handlers; only the owner removes."""
+    folder, owner = tempfile.mkdtemp(prefix="titanlite-tests-"), os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+def scratch(prefix: str) -> Path:
+    """A new empty folder in this session's scratch folder."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=_scratch()))
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -195,7 +211,7 @@ def spawn_ranks(nproc: int, cmd: list[str], env: dict[str, str] | None = None, t
     rank. Once a rank fails, the others get FAIL_GRACE_S to end on their own (to say their error
     too, or notice the lost peer), then are killed. With a dump folder, a SIGABRT after the
     rank's done marker is teardown, not failure."""
-    logs = Path(tempfile.mkdtemp(prefix="titanlite-logs-"))
+    logs = scratch("logs-")
     files = [logs / f"rank-{r}.log" for r in range(nproc)]
     procs = fork_ranks(nproc, cmd, files, env)
 
@@ -227,7 +243,7 @@ def launch(nproc: int, args: list[str], dump: Path | None = None, env: dict[str,
            timeout: int = 600, module: str = "titanlite.train") -> Run:
     """Run `python -m titanlite.train` (or a test wrapper of it) on `nproc` ranks and return the
     outcome without judging it: returncode is the first failing rank's status, else 0."""
-    dump = dump or Path(tempfile.mkdtemp(prefix="titanlite-"))
+    dump = dump or scratch("run-")
     codes, output = spawn_ranks(nproc, ["-m", module, "--job.dump_folder", str(dump), *args],
                                 env, timeout, dump)
     return Run(next((c for c in codes if c), 0), output, dump, codes)
@@ -265,7 +281,7 @@ def blank_task() -> str:
     generates other tokens or counts a prompt twice shows in exact_match."""
     prompts = [[f"def f{i}(x):\n    return x\n", f"import os\nx = f{i}(", f"    y = {i} +", f"class A{i}:\n"][i % 4]
                for i in range(7)]
-    path = Path(tempfile.mkdtemp(prefix="titanlite-eval-")) / "blank.jsonl"
+    path = scratch("eval-") / "blank.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
     return str(path)
 

@@ -6,7 +6,6 @@ z-loss (its logsumexp over the sharded vocabulary) a dense one on the gathered l
 
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,12 +110,12 @@ def _z_loss_matches_dense(logits: DTensor) -> None:
     loss.CHUNK_BYTES = 1 << 28
 
 
-def test_fsdp2_x_tp2_holds_a_quarter_per_rank():
+def test_fsdp2_x_tp2_holds_a_quarter_per_rank(tmp_path):
     with torch.device("meta"):
         full = llama3.Transformer(ARGS)
     total = sum(p.numel() * 4 for p in full.parameters())
     norms = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
-    out = tempfile.mkdtemp(prefix="titanlite-mem-")
+    out = str(tmp_path)
     mp.spawn(_worker, args=(4, str(Path(out, "store")), out), nprocs=4, join=True)
     ranks = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(4)]
     # every debug-model dimension is even, so FSDP adds no padding: the split is exact

@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -143,8 +142,8 @@ def _norm_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes():
-    out = tempfile.mkdtemp()
+def test_grad_norm_over_disjoint_stage_meshes_and_partial_meshes(tmp_path):
+    out = str(tmp_path)
     mp.spawn(_norm_worker, args=(4, str(Path(out) / "store"), out), nprocs=4)
     for rank in range(4):
         r = json.loads(Path(out, f"rank-{rank}.json").read_text())

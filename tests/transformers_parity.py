@@ -41,13 +41,13 @@ COMPILED = {"debug_gemma3_text": "TP 2", "debug_qwen3": "FSDP 2", "debug_cohere2
 
 def refusal(flavor: str, flags: list[str]) -> str | None:
     """The preflight's one line for this layout, or None when it would launch."""
-    cfg, _ = config_load.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len", "32",
-                               "--training.local_batch_size", "4",
-                               "--job.dump_folder", tempfile.mkdtemp(prefix="titanlite-parity-"), *flags])
-    try:
-        make_plan(cfg, 2)
-    except ConfigError as e:
-        return str(e)
+    with tempfile.TemporaryDirectory(prefix="titanlite-parity-") as dump:
+        cfg, _ = config_load.load(["--model.name", "transformers", "--model.flavor", flavor, "--training.seq_len",
+                                   "32", "--training.local_batch_size", "4", "--job.dump_folder", dump, *flags])
+        try:
+            make_plan(cfg, 2)
+        except ConfigError as e:
+            return str(e)
     return None
 
 

@@ -20,16 +20,18 @@ the others as copies (titanlite.dryrun.pptrace). `--full` traces every block and
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -63,6 +65,15 @@ from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.preflight import Plan, check_attention, make_plan, preflight
 
 
+@cache
+def throwaway_folder() -> str:
+    """One empty dump folder for every dry run this process plans (the planner plans hundreds),
+    removed at its exit; the roles' forked processes leave it alone."""
+    folder, owner = tempfile.mkdtemp(prefix="titanlite-dryrun-"), os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
 def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
     """The job as `device` would run it, traced eagerly on CPU fake tensors: the parameter
     dtype that `auto` picks there, no compile (eager memory is an upper bound of compiled;
@@ -78,7 +89,7 @@ def dry_config(cfg: JobConfig, device: str = "cuda") -> JobConfig:
         cfg, training=dataclasses.replace(t, device="cpu", mixed_precision_param=param),
         compile=dataclasses.replace(cfg.compile, enable=False),
         model=dataclasses.replace(cfg.model, attn_backend="sdpa"),
-        job=dataclasses.replace(cfg.job, dump_folder=tempfile.mkdtemp(prefix="titanlite-dryrun-")))
+        job=dataclasses.replace(cfg.job, dump_folder=throwaway_folder()))
 
 
 def default_roles(dims) -> list[int]:
