@@ -292,6 +292,9 @@ SMALL = "num_hidden_layers=2,hidden_size=64,intermediate_size=128"
     (["--model.hf_config", "llama", "--model.hf_overrides", SMALL, "--training.seq_len", "8192"],
      r"training.seq_len 8192 exceeds llama's max_position_embeddings 2048.* max_position_embeddings=8192"),
     (["--model.hf_overrides", "hidden_size=64"], r"model.hf_overrides change model.hf_config's config"),
+    (["--model.hf_config", "qwen3", "--model.hf_overrides", f"{SMALL},hidden_act=gelu_fancy"],
+     r"model.hf_config: hidden_act 'gelu_fancy' is not an activation transformers has; set model.hf_overrides "
+     r"hidden_act to one of .*silu"),
     (["--model.flavor", "debug_qwen3_moe", "--parallelism.tensor_parallel_degree", "2"],
      # transformers 5.25 dropped the experts' entry from the plan; 5.24 has it in a style titanlite does not apply
      r"parallelism.tensor_parallel_degree 2: Qwen3MoeConfig(.s layers.\*.mlp.experts is in no base_model_tp_plan "

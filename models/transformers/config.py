@@ -142,6 +142,7 @@ def check_model(args: ModelArgs) -> None:
     (every layer, at its real size: no memory) and run forward on meta tokens in training mode, so
     that what its attention asks of titanlite's attention function, and every dropout it applies,
     are checked before launch too."""
+    check_activations(json.loads(args.config))
     with torch.device("meta"):
         model = build(args)
     name = type(model).__name__.removeprefix("Titanlite")
@@ -184,6 +185,22 @@ def check_model(args: ModelArgs) -> None:
     finally:
         watch.remove()
     check_dropout(name, config, watch.seen, complete)
+
+
+ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")
+"""The config keys transformers' models look their activation up by, in ACT2FN."""
+
+
+def check_activations(config: dict[str, Any]) -> None:
+    """Refuse an activation name transformers does not have, naming the key (building the model
+    would fail inside transformers' code, as a failure of the model's code)."""
+    from transformers.activations import ACT2FN
+
+    for key in ACTIVATION_KEYS:
+        value = config.get(key)
+        if isinstance(value, str) and value not in ACT2FN:
+            raise ConfigError(f"model.hf_config: {key} '{value}' is not an activation transformers has; set "
+                              f"model.hf_overrides {key} to one of {', '.join(sorted(ACT2FN))}")
 
 
 DROPOUT_KEYS = ("dropout", "pdrop")
