@@ -98,8 +98,6 @@ def test_flops_match_the_model_formula_and_layout_divides_the_work(monkeypatch):
     assert dry_run(cfg, 2)["_roles"][0].flops == pytest.approx(expected["debug_model.toml"] / 2, rel=0.01)
 
 
-
-
 @pytest.mark.parametrize("family,config_name", [("llama3", "debug_model.toml"), ("qwen3", "qwen3_debug.toml"),
                                                  ("qwen3_moe", "qwen3_moe_debug.toml")])
 def test_tensor_parallel_moves_the_textbook_bytes(family, config_name, monkeypatch):
@@ -454,15 +452,16 @@ def test_an_error_in_the_model_s_own_code_is_reported_as_the_user_s(broken_fork,
         broken_fork("        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))",
                     "        super().__init__(args, lambda i: block(args, i), rope_frequencies(args))\n\n"
                     "    def forward(self, tokens, ctx=None):\n        raise NotImplementedError('my idea')")
-    else:  # an activation transformers lacks (the family's first import's torch warnings read away first)
+    else:  # a size transformers' MLP cannot build (the family's first import's torch warnings read away first)
         get_model_spec("transformers"), capsys.readouterr()
         argv = ["--model.name", "transformers", "--model.hf_config", "olmo", "--model.hf_overrides",
-                "hidden_size=64,num_attention_heads=4,vocab_size=512,eos_token_id=2,hidden_act=my_idea"]
+                "hidden_size=64,num_attention_heads=4,vocab_size=512,eos_token_id=2,intermediate_size=-1"]
     with pytest.raises(SystemExit) as e:
         main(["--check-memory", "1", "--config", "debug_model.toml", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1, err
-    line = (r"transformers/activations\.py line \d+ \(in __getitem__\): KeyError: 'my_idea'" if where == "transformers"
+    line = (r"transformers/models/olmo/modeling_olmo\.py line \d+ \(in __init__\): RuntimeError: Trying to create "
+            r"tensor with negative dimension -1: \[-1, 64\]" if where == "transformers"
             else rf"models/my_bad/model\.py line \d+ \(in {where.replace('build', 'block')}\): NotImplementedError: my idea")
     assert re.fullmatch(rf"titanlite: error: the preflight failed in the model's code, {line}; traceback in \S+", err[0]), err
     Path(err[0].rpartition(" ")[2]).unlink()
