@@ -187,22 +187,26 @@ def test_the_builtin_set_is_paired_within_each_split():
     """The built-in set's held-out pairs share no response with its training pairs: paired across
     the split, every held-out chosen answer was a training rejected one and every held-out rejected
     a training chosen one; split by function name, a docstring two functions share fell on both
-    sides. The held-out pairs are a sample of the modules (not the last ones, unlike any trained on). Each chosen answer
-    repeats a word of its question's function name and no rejected one does (what a small model can
-    learn from the question in 100 steps); those without such a word are left out. The rejected
-    answer is within 10% of the chosen one's length."""
-    from titanlite.data.pairs import builtin_pairs, name_words
+    sides. The held-out pairs are a sample of the modules (not the last ones, unlike any trained on).
+    Each chosen answer repeats a word of its question's function name and no rejected one does; a
+    rejected answer is a GUI module's docstring, a chosen one never is. The rejected answer is
+    within 10% of the chosen one's length."""
+    from titanlite.data.chat_set import stdlib_chats
+    from titanlite.data.pairs import GUI_MODULES, builtin_pairs, name_words
     train, val = builtin_pairs(0.05, "train"), builtin_pairs(0.05, "val")
     texts = [{row[f][0]["content"] for _, row in pairs for f in ("chosen", "rejected")} for pairs in (train, val)]
-    assert len(val) > 120 and not texts[0] & texts[1], texts[0] & texts[1]
+    assert len(val) > 80 and not texts[0] & texts[1], texts[0] & texts[1]
+    assert (len(train), len(val)) == (2040, 94)  # of 3,811 and 201 chats
     modules = [{where.rsplit(", ", 1)[1].split(".")[0] for where, _ in pairs} for pairs in (train, val)]
     assert len(modules[1]) > 40 and len(modules[1] - modules[0]) < 0.1 * len(modules[1]), modules[1] - modules[0]
-    assert (len(train), len(val)) == (2662, 141)  # of 3,811 and 201 chats
+    gui = {m["content"] for where, chat in stdlib_chats() if where.rsplit(", ", 1)[1].split(".")[0] in GUI_MODULES
+           for m in chat if m["role"] == "assistant"}
     for where, row in train + val:
         name = name_words(where.rsplit(", ", 1)[1])
         chosen, rejected = row["chosen"][0]["content"], row["rejected"][0]["content"]
         assert name & name_words(chosen) and not name & name_words(rejected)
         assert abs(len(chosen) - len(rejected)) <= len(chosen) // 10
+        assert rejected in gui and where.rsplit(", ", 1)[1].split(".")[0] not in GUI_MODULES
     assert name_words("Return the ZipFile's bytes, is_zipfile") == {"return", "the", "zip", "file", "bytes", "zipfile"}
 
 

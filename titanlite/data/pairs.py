@@ -59,28 +59,38 @@ def name_words(text: str) -> set[str]:
     return {w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z])([A-Z])", r"\1 \2", text).lower()) if len(w) > 2}
 
 
+GUI_MODULES = ("tkinter", "idlelib", "turtle", "turtledemo")
+"""The built-in preference set's rejected answers come from these modules' functions (of the same split)."""
+
+
 def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]:
-    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat whose
-    first answer repeats a word of its function's qualified name becomes a pair whose prompt is its
-    first question, chosen that answer and rejected the first answer of a chat from half the split
-    away on that repeats none and is within 10% of its length (another function's docstring). So
-    the question tells the two apart, a preference that carries to unseen pairs (every answer is
-    the chosen one of its pair and may be the rejected one of another, so what is learnt of an
-    answer alone does not); the lengths match because a reward is a sum over tokens, so where DPO
-    lowers both responses a longer chosen one would read as a wrong preference. Paired within a
-    split: paired across it, each held-out pair's chosen answer was a training pair's rejected one
-    and its rejected a training pair's chosen, so training alone drove the held-out accuracy below
-    chance."""
+    """The built-in preference set's `split` (split_chats of the built-in chat set): each chat of a
+    function outside GUI_MODULES whose first answer repeats a word of its qualified name becomes a
+    pair whose prompt is its first question, chosen that answer, and rejected the first answer of a
+    GUI_MODULES function of the split (starting at the same relative place) that repeats no word of
+    the name and is within 10% of its length. A rejected answer is so both another function's and
+    of another kind (widgets, windows, canvases), a preference a small model learns in 100 steps and
+    that carries to held-out pairs, whose rejected answers it never saw; paired among all answers,
+    each one the chosen of its pair and the rejected of another, what an answer is like cancels out
+    and only its fit to the question is left to learn, which the 3.2M debug model did not (held-out
+    accuracy at chance: docs/post_training.md). The lengths match because a reward is a sum over
+    tokens: where DPO lowers both responses, a longer chosen one would read as a wrong preference.
+    Paired within a split: held-out pairs share no answer with training pairs."""
     chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
     answers = [next(m for m in chat if m["role"] == "assistant") for _, chat in chats]
+    module = [where.rsplit(", ", 1)[1].split(".")[0] for where, _ in chats]
+    pool = [k for k in range(len(chats)) if module[k] in GUI_MODULES]
     out = []
     for k, (where, chat) in enumerate(chats):
+        if module[k] in GUI_MODULES:
+            continue
         first = chat.index(answers[k])
         words = name_words(where.rsplit(", ", 1)[1])
         if not words & name_words(answers[k]["content"]):
             continue
         size = len(answers[k]["content"])
-        others = (answers[(k + len(chats) // 2 + i) % len(chats)] for i in range(len(chats)))
+        start = k * len(pool) // len(chats)
+        others = (answers[pool[(start + i) % len(pool)]] for i in range(len(pool)))
         wrong = next((a for a in others if abs(len(a["content"]) - size) <= size // 10
                       and not words & name_words(a["content"])), None)
         if wrong is None:
