@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -281,8 +282,14 @@ def blank_task() -> str:
     generates other tokens or counts a prompt twice shows in exact_match."""
     prompts = [[f"def f{i}(x):\n    return x\n", f"import os\nx = f{i}(", f"    y = {i} +", f"class A{i}:\n"][i % 4]
                for i in range(7)]
-    path = scratch("eval-") / "blank.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts))
+    text = "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts)
+    # one file named by its content, not one per process: a test module's import writes it, in
+    # multiprocessing's children too, which end without running exit handlers
+    path = Path(tempfile.gettempdir()) / f"titanlite-blank-{zlib.crc32(text.encode()):08x}.jsonl"
+    if not path.exists():
+        part = path.with_name(f"{path.name}.{os.getpid()}")
+        part.write_text(text)
+        os.replace(part, path)
     return str(path)
 
 

@@ -192,7 +192,8 @@ def run_titanlite(args: BenchArgs, rest: list[str]) -> dict | None:
             console.restore()  # what the bench says next belongs on the console
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"matmul_flops": rate, **mem})
-    if dist.get_rank():
+    if dist.get_rank():  # every rank made a dump folder of its own
+        shutil.rmtree(dump, ignore_errors=True)
         return None
     rows = [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "tokens_per_sec" in row]  # training rows only

@@ -36,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -328,11 +329,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def healthcheck(opts: dict, rest: list[str]) -> int:
     """The node's parent process: the checks over torchrun, the job run and its dry run; 0 when all pass."""
+    tmp = Path(tempfile.mkdtemp(prefix="titanlite-health-"))
+    try:
+        return check_node(opts, rest, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_node(opts: dict, rest: list[str], tmp: Path) -> int:
+    """healthcheck, its ranks' and dry run's results written in `tmp`."""
     start = time.perf_counter()
     cuda = torch.cuda.is_available()
     ngpu = opts["ngpu"] or (torch.cuda.device_count() if cuda else 2)
     run_argv = rest if any(a.startswith("--config") for a in rest) else [*(GPU_RUN if cuda else CPU_RUN), *rest]
-    tmp = Path(tempfile.mkdtemp(prefix="titanlite-health-"))
     if not cuda:
         print(f"titanlite: no GPU found: checking this CPU instead, over {ngpu} gloo ranks: the fp32 matmul and "
               f"memory-copy rates against fixed floors ({CPU_FLOORS['matmul_tflops']:g} TFLOPS, "
