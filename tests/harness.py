@@ -285,8 +285,9 @@ def blank_task() -> str:
     text = "".join(json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompts)
     # one file named by its content, not one per process: a test module's import writes it, in
     # multiprocessing's children too, which end without running exit handlers
-    path = Path(tempfile.gettempdir()) / f"titanlite-blank-{zlib.crc32(text.encode()):08x}.jsonl"
-    if not path.exists():
+    path = Path(tempfile.gettempdir()) / f"titanlite-blank-{zlib.crc32(text.encode()):08x}" / "blank.jsonl"
+    if not path.exists():  # the task is named by the file: blank
+        path.parent.mkdir(exist_ok=True)
         part = path.with_name(f"{path.name}.{os.getpid()}")
         part.write_text(text)
         os.replace(part, path)
