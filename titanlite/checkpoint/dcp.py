@@ -318,8 +318,8 @@ class CheckpointManager:
         for key in [k for k, v in self.optional.items() if getattr(v, "resumed_only_from_itself", False) and k not in states]:
             raise ConfigError(f"{path} holds no {key} state, which this run must resume with (a preference or GRPO "
                               "run's frozen reference, or its precomputed log-probs, is its own starting weights', not "
-                              "the weights it resumes); start from the checkpoint with checkpoint.initial_load_path instead, or give this run its own "
-                              "job.dump_folder")
+                              "the weights it resumes); start from the checkpoint with checkpoint.initial_load_path "
+                              "instead, or give this run its own job.dump_folder")
         check_state_fits(path, meta, states, info.get("config", {}), self.config)  # a config's difference, not a break
         _read({**states, **({"rng": rng} if rng is not None else {})}, path)
         self.data.align(self.train_state.step)

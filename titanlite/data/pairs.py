@@ -78,14 +78,15 @@ def builtin_pairs(holdout_fraction: float, split: str) -> list[tuple[str, dict]]
     Paired within a split: held-out pairs share no answer with training pairs."""
     chats = split_chats(tuple(stdlib_chats()), holdout_fraction, split)
     answers = [next(m for m in chat if m["role"] == "assistant") for _, chat in chats]
-    module = [where.rsplit(", ", 1)[1].split(".")[0] for where, _ in chats]
-    pool = [k for k in range(len(chats)) if module[k] in GUI_MODULES]
+    names = [where.rsplit(", ", 1)[1] for where, _ in chats]  # stdlib_chats' "the built-in chat set, <qualname>"
+    gui = [name.split(".")[0] in GUI_MODULES for name in names]
+    pool = [k for k in range(len(chats)) if gui[k]]
     out = []
     for k, (where, chat) in enumerate(chats):
-        if module[k] in GUI_MODULES:
+        if gui[k]:
             continue
         first = chat.index(answers[k])
-        words = name_words(where.rsplit(", ", 1)[1])
+        words = name_words(names[k])
         if not words & name_words(answers[k]["content"]):
             continue
         size = len(answers[k]["content"])
